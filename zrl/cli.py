@@ -1,0 +1,143 @@
+"""The `zrl` command line: run, validate, envs, init-tiny-model.
+
+Entry points stay thin: parsing and printing here, work in the library. A user's mistake (missing
+file, bad YAML, unknown field, wrong type, out-of-range value, unknown environment) prints one line
+per problem to stderr and exits non-zero, without a traceback.
+"""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import yaml
+
+from zrl.config import Recipe, RecipeError, load_recipe
+from zrl.env.registry import UnknownEnvironmentError
+
+log = logging.getLogger("zrl")
+
+EXIT_BAD_INPUT = 2
+EXIT_NOT_AVAILABLE = 3
+
+
+def _error(lines: list[str], code: int = EXIT_BAD_INPUT) -> int:
+    for line in lines:
+        sys.stderr.write(f"zrl: error: {line}\n")
+    return code
+
+
+def _load(args) -> Recipe:
+    return load_recipe(args.recipe, args.set or [])
+
+
+def availability(recipe: Recipe) -> list[tuple[str, str]]:
+    """(item, problem) for every referenced environment or model that is not available here."""
+    from zrl.env import registry
+
+    problems = []
+    for stage in recipe.stages:
+        for env in stage.environments:
+            try:
+                info = registry.get(env.name)
+            except UnknownEnvironmentError as exc:
+                problems.append((f"stages.{stage.name}.environments.{env.name}", str(exc)))
+                continue
+            if (getattr(stage, "algorithm", None) and stage.algorithm.advantage == "maxrl"
+                    and (env.reward_type or info.reward_type) == "continuous"):
+                problems.append((f"stages.{stage.name}.environments.{env.name}",
+                                 "reward_type is continuous but the stage uses maxrl (binary rewards only)"))
+    model = Path(recipe.model.path)
+    if not (model / "config.json").is_file() and not recipe.model.build_tiny_if_missing:
+        problems.append(("model.path", f"{model} has no config.json (and build_tiny_if_missing is false)"))
+    return problems
+
+
+def cmd_validate(args) -> int:
+    recipe = _load(args)
+    sys.stdout.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    problems = availability(recipe)
+    sys.stdout.write(f"# schema: OK ({len(recipe.stages)} stages)\n")
+    if problems:
+        sys.stdout.write(f"# availability: {len(problems)} item(s) not available on this machine:\n")
+        for item, problem in problems:
+            sys.stdout.write(f"#   {item}: {problem}\n")
+    else:
+        sys.stdout.write("# availability: every environment and the model are available\n")
+    return 0
+
+
+def cmd_envs(args) -> int:
+    from zrl.env import registry
+
+    names = registry.names()
+    if not names:
+        sys.stdout.write("no environments registered (install a package exposing `zrl.environments` "
+                         "entry points, or reference `module:Class` in a recipe)\n")
+    for name in names:
+        info = registry.get(name)
+        sys.stdout.write(f"{name:24s} {info.reward_type or '-':10s} {info.description}\n")
+    return 0
+
+
+def cmd_init_tiny_model(args) -> int:
+    from zrl.assets import build_tiny_model
+
+    path = build_tiny_model(args.dir, seed=args.seed)
+    sys.stdout.write(f"tiny zaya checkpoint and tokenizer written to {path}\n")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from zrl.run import prepare_run
+
+    recipe = _load(args)
+    problems = [f"{item}: {problem}" for item, problem in availability(recipe)]
+    if any(line.startswith("model.") for line in problems):
+        return _error(problems, EXIT_NOT_AVAILABLE)
+    return prepare_run(recipe, address=args.address, unavailable=problems)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zrl", description="Asynchronous RL post-training for MoE reasoning models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def recipe_args(p):
+        p.add_argument("recipe", help="cascade recipe (YAML)")
+        p.add_argument("--set", action="append", metavar="PATH=VALUE",
+                       help="override a field, e.g. --set stages.0.steps=10 (repeatable; value parsed as YAML)")
+
+    p = sub.add_parser("run", help="run a cascade recipe (embedded Ray unless --address is given)")
+    recipe_args(p)
+    p.add_argument("--address", help="Ray cluster address (ray://host:10001, http://host:8265 or auto)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("validate", help="check a recipe and print it resolved with defaults")
+    recipe_args(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("envs", help="list registered environments")
+    p.set_defaults(func=cmd_envs)
+
+    p = sub.add_parser("init-tiny-model", help="build the tiny CPU tokenizer + zaya checkpoint")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_init_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="[zrl %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    try:
+        return args.func(args)
+    except RecipeError as exc:
+        return _error(str(exc).splitlines())
+    except UnknownEnvironmentError as exc:
+        return _error([str(exc)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

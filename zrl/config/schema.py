@@ -1,0 +1,245 @@
+"""The cascade-recipe schema: what a user writes in recipes/*.yaml, validated on load.
+
+Invariants:
+- pydantic v2 with `extra="forbid"` everywhere: an unknown or misspelt field is an error naming its path.
+- Units are in field names (`max_response_tokens`, `timeout_s`, `sync_every_steps`).
+- Pluggable parts are discriminated unions: a stage on `kind` (`rl` | `sft`), a trust region on `type`.
+- Defaults are the ZAYA1-8B production values (shared seeds/003 §IV-B1): 128 prompts x G=16,
+  DPPO Binary-TV delta 0.1, Dr-GRPO seq-mean-token-sum-norm, MaxRL, weight sync every 2 trainer steps,
+  staleness <= 2, 2 ready batches before the trainer pulls, momentum-free Muon.
+- This module imports no torch, ray or vllm: `zrl validate` must work in a light environment.
+"""
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --- model, resources, metrics -------------------------------------------------------------------
+
+class ModelSpec(Strict):
+    path: str = Field(description="Hugging Face `zaya` checkpoint directory (config.json + safetensors + tokenizer)")
+    tokenizer_path: str | None = Field(None, description="tokenizer directory; defaults to `path`")
+    build_tiny_if_missing: bool = Field(
+        False, description="build the tiny CPU checkpoint and tokenizer at `path` when it does not exist")
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+
+class Resources(Strict):
+    rollout_workers: int = Field(4, ge=1)
+    trainer_workers: int = Field(2, ge=1)
+    cpus_per_rollout_worker: float = Field(1.0, gt=0)
+    cpus_per_trainer_worker: float = Field(1.0, gt=0)
+    gpus_per_rollout_worker: float = Field(0.0, ge=0)
+    gpus_per_trainer_worker: float = Field(0.0, ge=0)
+
+
+class WandbSink(Strict):
+    enabled: bool = True
+    project: str = "zrl"
+    entity: str | None = None
+    mode: Literal["auto", "online", "offline", "disabled"] = Field(
+        "auto", description="auto = online when WANDB_API_KEY is set, offline files otherwise")
+
+
+class Metrics(Strict):
+    wandb: WandbSink = WandbSink()
+    tensorboard: bool = True
+    jsonl: bool = True
+    log_every_steps: int = Field(1, ge=1)
+
+
+# --- stage parts ----------------------------------------------------------------------------------
+
+class EnvironmentSpec(Strict):
+    name: str = Field(min_length=1, description="registered environment name, or `module:Class`")
+    weight: float = Field(1.0, gt=0, description="relative sampling weight inside the stage's mixture")
+    reward_type: Literal["binary", "continuous"] | None = Field(
+        None, description="declared reward type; when unset it is read from the environment class")
+    options: dict = Field(default_factory=dict, description="keyword arguments for the environment constructor")
+
+
+class Sampling(Strict):
+    prompts_per_batch: int = Field(128, ge=1)
+    group_size: int = Field(16, ge=1, description="G rollouts per prompt")
+    max_prompt_tokens: int = Field(20480, ge=1)
+    max_response_tokens: int = Field(81920, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1 disables top-k")
+    min_p: float = Field(0.0, ge=0, lt=1)
+    stop: list[str] = Field(default_factory=list)
+    seed: int = 0
+
+
+class DPPOBinaryTV(Strict):
+    type: Literal["dppo_binary_tv"] = "dppo_binary_tv"
+    delta: float = Field(0.1, gt=0, le=1, description="threshold on p - q (probabilities)")
+    is_cap: float = Field(1e4, gt=0, description="truncated importance-sampling cap C")
+
+
+class DPPOBinaryKL(Strict):
+    type: Literal["dppo_binary_kl"]
+    delta: float = Field(0.05, gt=0, description="threshold on the binary KL between q and p")
+    is_cap: float = Field(1e4, gt=0)
+
+
+class PPOClip(Strict):
+    type: Literal["ppo_clip"]
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    clip_high: float = Field(0.2, gt=0)
+
+
+TrustRegion = Annotated[DPPOBinaryTV | DPPOBinaryKL | PPOClip, Field(discriminator="type")]
+
+
+class LengthReward(Strict):
+    """Difficulty-scaled length reward (seeds/003 eqs. 8-10); c ramps linearly from c_start to c_end."""
+
+    enabled: bool = True
+    c_start: float = Field(0.1, ge=0)
+    c_end: float = Field(0.1, ge=0)
+    tolerance_tokens: int | None = Field(200, ge=0, description="L_tol of lambda-tilde; null = plain lambda")
+    accuracy_tolerance: float = Field(0.1, ge=0, le=1, description="T_acc of the gate m_i")
+
+
+class LZ77Canary(Strict):
+    enabled: bool = True
+    zero_reward: bool = Field(True, description="zero the reward of flagged rollouts before advantages")
+    chunk_tokens: int = Field(256, ge=8)
+    bytes_per_token: Literal[2, 4] = 4
+    threshold: float = Field(0.1, gt=0, lt=1, description="flag a rollout when any chunk ratio is below it")
+
+
+class Canaries(Strict):
+    lz77: LZ77Canary = LZ77Canary()
+    rare_token_bands: list[float] = Field(default_factory=lambda: [0.10, 0.05, 0.02, 0.01])
+
+
+class Algorithm(Strict):
+    advantage: Literal["maxrl", "grpo", "drgrpo"] = "maxrl"
+    trust_region: TrustRegion = DPPOBinaryTV()
+    loss_aggregation: Literal["seq_mean_token_sum_norm", "token_mean", "seq_mean_token_mean"] = \
+        "seq_mean_token_sum_norm"
+    dynamic_sampling: bool = Field(True, description="drop groups whose task rewards are all equal (counted)")
+    length_reward: LengthReward = LengthReward()
+    canaries: Canaries = Canaries()
+    router_replay: bool = True
+    router_bias_update: bool = Field(False, description="keep updating router balancing biases during RL")
+
+
+class MuonSpec(Strict):
+    lr: float = Field(5e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    momentum: float = Field(0.0, ge=0, lt=1, description="0 = momentum-free, stateless (ZAYA1)")
+    nesterov: bool = False
+
+
+class AdamWSpec(Strict):
+    lr: float | None = Field(None, gt=0, description="defaults to the Muon lr (Muon's update is RMS-matched)")
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class Optimizer(Strict):
+    muon: MuonSpec = MuonSpec()
+    adamw: AdamWSpec = AdamWSpec()
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    grad_clip_norm: float | None = Field(
+        1.0, gt=0, description="clips AdamW-managed gradients only; Muon's update is scale-invariant")
+
+
+class Asynchrony(Strict):
+    sync_every_steps: int = Field(2, ge=1, description="trainer steps between in-place weight syncs")
+    max_staleness_steps: int = Field(2, ge=0, description="max trainer steps a rollout token may lag")
+    min_ready_batches: int = Field(2, ge=1, description="complete batches in the buffer before the trainer pulls")
+    buffer_capacity_batches: int = Field(4, ge=1, description="buffer capacity; the oldest groups are evicted")
+    verifier_timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.max_staleness_steps < self.sync_every_steps - 1:
+            raise ValueError(
+                f"max_staleness_steps={self.max_staleness_steps} < sync_every_steps - 1 = {self.sync_every_steps - 1}: "
+                "rollout workers lag the trainer by up to sync_every_steps - 1 steps between syncs, so every "
+                "rollout would be evicted as stale")
+        if self.buffer_capacity_batches < self.min_ready_batches:
+            raise ValueError(
+                f"buffer_capacity_batches={self.buffer_capacity_batches} < min_ready_batches="
+                f"{self.min_ready_batches}: the trainer could never pull")
+        return self
+
+
+class Inherit(Strict):
+    """What a stage takes from the previous stage's final state (the policy always)."""
+
+    optimizer_state: bool = Field(False, description="AdamW moments (Muon has none when momentum is 0)")
+    length_reward_state: bool = Field(True, description="running max solve rate per data source")
+
+
+class StageBase(Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    steps: int = Field(ge=1, description="trainer optimizer steps")
+    environments: list[EnvironmentSpec] = Field(min_length=1)
+    checkpoint_every_steps: int = Field(50, ge=1)
+    inherit: Inherit = Inherit()
+
+
+class RLStage(StageBase):
+    kind: Literal["rl"] = "rl"
+    sampling: Sampling = Sampling()
+    algorithm: Algorithm = Algorithm()
+    optimizer: Optimizer = Optimizer()
+    asynchrony: Asynchrony = Asynchrony()
+
+    @model_validator(mode="after")
+    def _group_rules(self):
+        if self.sampling.group_size < 2:
+            raise ValueError(
+                f"sampling.group_size={self.sampling.group_size}: group advantages "
+                f"({self.algorithm.advantage}) need G >= 2")
+        if self.algorithm.advantage == "maxrl":
+            continuous = [e.name for e in self.environments if e.reward_type == "continuous"]
+            if continuous:
+                raise ValueError(
+                    f"algorithm.advantage=maxrl needs binary rewards, but environments {continuous} declare "
+                    "reward_type=continuous (use grpo or drgrpo)")
+        return self
+
+
+class SFTStage(StageBase):
+    """Supervised warm start on demonstrations that the stage's environments produce."""
+
+    kind: Literal["sft"]
+    examples_per_step: int = Field(32, ge=1)
+    max_sequence_tokens: int = Field(512, ge=8)
+    optimizer: Optimizer = Optimizer(muon=MuonSpec(lr=1e-3), warmup_steps=0)
+    seed: int = 0
+
+
+Stage = Annotated[RLStage | SFTStage, Field(discriminator="kind")]
+
+
+class Recipe(Strict):
+    name: str = Field(min_length=1)
+    description: str = ""
+    model: ModelSpec
+    output_dir: str = Field(min_length=1, description="run directory: checkpoints, metrics, plots")
+    seed: int = 0
+    resources: Resources = Resources()
+    metrics: Metrics = Metrics()
+    stages: list[Stage] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_stage_names(self):
+        names = [s.name for s in self.stages]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"stage names must be unique; repeated: {duplicates}")
+        return self

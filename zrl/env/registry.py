@@ -1,0 +1,95 @@
+"""Registry of verifiable environments: explicit name → factory, with plugin discovery.
+
+Environments come from three places, in this order of precedence:
+1. `registry.register(name, factory)` calls made by code the user imports;
+2. the `zrl.environments` entry-point group of installed packages (`name = "module:Class"`),
+   loaded lazily, the first time a name is looked up or listed;
+3. a `module:Class` reference written directly in a recipe.
+Registering a name twice raises; looking up an unknown name raises and lists the valid names.
+A factory may declare `description` (else the first docstring line) and `reward_type`
+("binary" | "continuous"), which the recipe checks against its advantage estimator.
+"""
+
+import importlib
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+ENTRY_POINT_GROUP = "zrl.environments"
+
+
+class UnknownEnvironmentError(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class EnvironmentInfo:
+    name: str
+    factory: Callable[..., Any]
+    source: str  # "registered" | "entry point <dist>" | "reference"
+
+    @property
+    def description(self) -> str:
+        text = getattr(self.factory, "description", None) or (self.factory.__doc__ or "").strip()
+        return text.splitlines()[0] if text else ""
+
+    @property
+    def reward_type(self) -> str | None:
+        return getattr(self.factory, "reward_type", None)
+
+
+def load_reference(reference: str) -> Callable[..., Any]:
+    """Import `package.module:Attribute`; raises UnknownEnvironmentError with the reason."""
+    module_name, _, attr = reference.partition(":")
+    if not module_name or not attr:
+        raise UnknownEnvironmentError(f"{reference!r} is not a `module:Class` reference")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UnknownEnvironmentError(f"{reference!r}: cannot import {module_name!r} ({exc})") from None
+    target = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise UnknownEnvironmentError(f"{reference!r}: {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    return target
+
+
+class Registry:
+    def __init__(self, group: str = ENTRY_POINT_GROUP):
+        self._group = group
+        self._entries: dict[str, EnvironmentInfo] = {}
+        self._entry_points_loaded = False
+
+    def register(self, name: str, factory: Callable[..., Any], source: str = "registered") -> None:
+        self._load_entry_points()
+        if name in self._entries:
+            raise ValueError(f"environment {name!r} is already registered ({self._entries[name].source})")
+        self._entries[name] = EnvironmentInfo(name, factory, source)
+
+    def get(self, name: str) -> EnvironmentInfo:
+        if ":" in name:
+            return EnvironmentInfo(name, load_reference(name), "reference")
+        self._load_entry_points()
+        if name not in self._entries:
+            valid = ", ".join(sorted(self._entries)) or "none registered"
+            raise UnknownEnvironmentError(
+                f"unknown environment {name!r}; valid names: {valid} (or use a `module:Class` reference)")
+        return self._entries[name]
+
+    def names(self) -> list[str]:
+        self._load_entry_points()
+        return sorted(self._entries)
+
+    def _load_entry_points(self) -> None:
+        if self._entry_points_loaded:
+            return
+        self._entry_points_loaded = True
+        for ep in entry_points(group=self._group):
+            if ep.name in self._entries:
+                raise ValueError(f"environment {ep.name!r} is provided twice (entry point {ep.value!r})")
+            dist = ep.dist.name if ep.dist else "?"
+            self._entries[ep.name] = EnvironmentInfo(ep.name, load_reference(ep.value), f"entry point {dist}")
+
+
+registry = Registry()
