@@ -1,0 +1,66 @@
+"""Environment registry: explicit registration, entry-point discovery, module:Class references."""
+
+import sys
+import textwrap
+
+import pytest
+
+from zrl.env.registry import Registry, UnknownEnvironmentError, registry
+
+
+class Dummy:
+    """A dummy environment.
+
+    More text."""
+
+    reward_type = "continuous"
+
+
+def test_register_get_and_duplicate():
+    reg = Registry(group="zrl.test.none")
+    reg.register("dummy", Dummy)
+    info = reg.get("dummy")
+    assert info.factory is Dummy and info.description == "A dummy environment." and info.reward_type == "continuous"
+    with pytest.raises(ValueError, match="'dummy' is already registered"):
+        reg.register("dummy", Dummy)
+
+
+def test_unknown_name_lists_valid_names():
+    reg = Registry(group="zrl.test.none")
+    reg.register("b_env", Dummy)
+    reg.register("a_env", Dummy)
+    with pytest.raises(UnknownEnvironmentError, match="unknown environment 'c_env'; valid names: a_env, b_env"):
+        reg.get("c_env")
+
+
+def test_module_class_reference():
+    info = registry.get("environments.arithmetic:Arithmetic")
+    assert info.factory.__name__ == "Arithmetic" and info.source == "reference"
+    with pytest.raises(UnknownEnvironmentError, match="cannot import 'no_such_module'"):
+        registry.get("no_such_module:X")
+    with pytest.raises(UnknownEnvironmentError, match="has no attribute 'Nope'"):
+        registry.get("environments.arithmetic:Nope")
+
+
+def test_builtins_come_from_the_entry_point_group():
+    assert {"arithmetic", "reasoning_gym", "math"} <= set(registry.names())
+    assert registry.get("arithmetic").source == "entry point zrl"
+
+
+def test_entry_point_of_a_third_party_package(tmp_path, monkeypatch):
+    """A package installed with a `zrl.environments` entry point is discovered without touching zrl."""
+    (tmp_path / "thirdparty_env.py").write_text(textwrap.dedent('''
+        class Palindromes:
+            """Is the word a palindrome?"""
+            reward_type = "binary"
+    '''))
+    dist = tmp_path / "thirdparty_env-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-env\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[zrl.test.plugins]\npalindromes = thirdparty_env:Palindromes\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry(group="zrl.test.plugins")
+    assert reg.names() == ["palindromes"]
+    info = reg.get("palindromes")
+    assert info.description == "Is the word a palindrome?" and info.source == "entry point thirdparty-env"
+    sys.modules.pop("thirdparty_env", None)
