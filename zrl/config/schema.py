@@ -108,11 +108,15 @@ class LengthReward(Strict):
 
 
 class LZ77Canary(Strict):
+    """Streaming LZ77 compressibility gate. Defaults calibrated in zrl/canaries (3 bytes/token keeps
+    the 762-byte deflate window at 254 tokens and holds ids < 2^24; 64-token chunks flag every loop
+    period of 1-254 tokens within P + 128 tokens; exact repetition gives ratios <= 0.021)."""
+
     enabled: bool = True
     zero_reward: bool = Field(True, description="zero the reward of flagged rollouts before advantages")
-    chunk_tokens: int = Field(256, ge=8)
-    bytes_per_token: Literal[2, 4] = 4
-    threshold: float = Field(0.1, gt=0, lt=1, description="flag a rollout when any chunk ratio is below it")
+    chunk_tokens: int = Field(64, ge=8)
+    bytes_per_token: Literal[2, 3, 4] = 3
+    threshold: float = Field(0.05, gt=0, lt=1, description="flag a rollout when any chunk ratio is below it")
 
 
 class Canaries(Strict):

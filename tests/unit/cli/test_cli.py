@@ -33,7 +33,7 @@ GOOD = """name: r
 model: {path: m}
 output_dir: out
 stages:
-  - {name: s, kind: rl, steps: 2, environments: [{name: arithmetic}]}
+  - {name: s, kind: rl, steps: 2, environments: [{name: no_such_env}]}
 """
 
 
@@ -64,7 +64,7 @@ def test_validate_prints_resolved_recipe_and_availability(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "steps: 5" in result.stdout and "group_size: 16" in result.stdout
     assert "# schema: OK (1 stages)" in result.stdout
-    assert "stages.s.environments.arithmetic: unknown environment 'arithmetic'" in result.stdout
+    assert "stages.s.environments.no_such_env: unknown environment 'no_such_env'; valid names: arithmetic" in result.stdout
     assert "model.path: m has no config.json" in result.stdout
 
 

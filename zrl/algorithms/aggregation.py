@@ -1,0 +1,125 @@
+"""Loss aggregation over tokens and sequences, exact under microbatching and data parallelism.
+
+Responsibility: reduce the per-token losses of ONE microbatch to the scalar that this microbatch
+contributes to the global-batch loss. Every mode is a sum of per-token terms divided by constants of
+the global batch, so the sum of these scalars over all gradient-accumulation steps and all
+data-parallel ranks equals the formula over the global batch (ALGORITHMS.md §4; seeds/003 §IV-B1):
+
+- "seq_mean_token_sum_norm" (Dr-GRPO, the ZAYA1 default):
+      L = (1/N_seq) Σ_i Σ_t l_{i,t} / T_norm,  T_norm = max_response_tokens (a constant).
+- "token_mean":            L = Σ_i Σ_t l_{i,t} / N_tok.
+- "seq_mean_token_mean":   L = (1/N_seq) Σ_i (Σ_t l_{i,t} / T_i),  T_i = loss tokens of rollout i.
+
+N_seq and N_tok are GLOBAL counts (all microbatches of the step on all ranks), passed in by the
+trainer, which sums `local_counts` over its microbatches and all-reduces. With data-parallel gradient
+averaging (FSDP2 divides by the world size) multiply by the world size, or sum gradients instead.
+
+Layout: packed token streams `[T]` with `seq_idx [T]` (int, the rollout each token belongs to, any
+ids unique within the microbatch), or padded `[B, L]` with `seq_idx=None` (row = rollout).
+Invariants: a rollout never spans microbatches (needed by seq_mean_token_mean's T_i); loss-mask-false
+tokens contribute exactly 0; a rollout with no loss tokens (empty response) still counts in N_seq.
+Global counts of 0 give a zero loss that is still connected to the graph, so every rank can run
+backward (FSDP2 needs all ranks in the collective).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+AggregationName = Literal["seq_mean_token_sum_norm", "token_mean", "seq_mean_token_mean"]
+AGGREGATION_NAMES: tuple[str, ...] = ("seq_mean_token_sum_norm", "token_mean", "seq_mean_token_mean")
+
+
+def _flatten(token_loss: torch.Tensor, loss_mask: torch.Tensor,
+             seq_idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if loss_mask.shape != token_loss.shape:
+        raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != token_loss {tuple(token_loss.shape)}")
+    if seq_idx is None:
+        if token_loss.dim() != 2:
+            raise ValueError("seq_idx is required unless token_loss is padded [B, L] (rows are rollouts)")
+        b, l = token_loss.shape
+        seq_idx = torch.arange(b, device=token_loss.device).repeat_interleave(l)
+    elif token_loss.dim() != 1 or seq_idx.shape != token_loss.shape:
+        raise ValueError(f"packed layout needs token_loss [T] and seq_idx [T], got "
+                         f"{tuple(token_loss.shape)} and {tuple(seq_idx.shape)}")
+    return token_loss.reshape(-1), loss_mask.reshape(-1).to(torch.bool), seq_idx.reshape(-1).long()
+
+
+def _masked_sum(token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # where (not multiply) so that non-finite padding losses do not turn the sum into NaN.
+    return torch.where(mask, token_loss, torch.zeros_like(token_loss)).sum()
+
+
+def _check_count(name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def local_counts(loss_mask: torch.Tensor, seq_idx: torch.Tensor | None = None) -> tuple[int, int]:
+    """(rollouts, loss tokens) in this microbatch; sum them over microbatches and ranks for the globals.
+
+    Rollouts are the distinct ids in seq_idx (rows for padded [B, L]), whether or not they have loss
+    tokens.
+    """
+    if seq_idx is None:
+        if loss_mask.dim() != 2:
+            raise ValueError("seq_idx is required unless loss_mask is padded [B, L]")
+        num_seqs = loss_mask.shape[0]
+    else:
+        num_seqs = int(torch.unique(seq_idx).numel())
+    return num_seqs, int(loss_mask.to(torch.bool).sum())
+
+
+def seq_mean_token_sum_norm(token_loss: torch.Tensor, loss_mask: torch.Tensor, *, global_num_seqs: int,
+                            max_response_tokens: int) -> torch.Tensor:
+    """This microbatch's share of (1/N_seq) Σ_i Σ_t l_{i,t} / T_norm (Dr-GRPO)."""
+    if loss_mask.shape != token_loss.shape:
+        raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != token_loss {tuple(token_loss.shape)}")
+    _check_count("global_num_seqs", global_num_seqs)
+    if max_response_tokens < 1:
+        raise ValueError(f"max_response_tokens must be >= 1, got {max_response_tokens}")
+    total = _masked_sum(token_loss, loss_mask.to(torch.bool))
+    if global_num_seqs == 0:
+        return total * 0.0
+    return total / (float(global_num_seqs) * float(max_response_tokens))
+
+
+def token_mean(token_loss: torch.Tensor, loss_mask: torch.Tensor, *, global_num_tokens: int) -> torch.Tensor:
+    """This microbatch's share of Σ l / N_tok over all loss tokens of the global batch."""
+    if loss_mask.shape != token_loss.shape:
+        raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != token_loss {tuple(token_loss.shape)}")
+    _check_count("global_num_tokens", global_num_tokens)
+    total = _masked_sum(token_loss, loss_mask.to(torch.bool))
+    if global_num_tokens == 0:
+        return total * 0.0
+    return total / float(global_num_tokens)
+
+
+def seq_mean_token_mean(token_loss: torch.Tensor, loss_mask: torch.Tensor, seq_idx: torch.Tensor | None, *,
+                        global_num_seqs: int) -> torch.Tensor:
+    """This microbatch's share of (1/N_seq) Σ_i mean_t l_{i,t} (rollouts lie wholly in the microbatch)."""
+    _check_count("global_num_seqs", global_num_seqs)
+    loss, mask, seq = _flatten(token_loss, loss_mask, seq_idx)
+    if loss.numel() == 0 or global_num_seqs == 0:
+        return _masked_sum(loss, mask) * 0.0
+    # Compact the rollout ids (they may be sparse global ids), count T_i per rollout: [S], then per token: [T]
+    _, local = torch.unique(seq, return_inverse=True)
+    per_seq = torch.bincount(local, weights=mask.to(torch.float64))
+    denom = per_seq[local].clamp(min=1.0).to(loss.dtype)
+    return _masked_sum(loss / denom, mask) / float(global_num_seqs)
+
+
+def aggregate_loss(name: AggregationName | str, token_loss: torch.Tensor, loss_mask: torch.Tensor,
+                   seq_idx: torch.Tensor | None = None, *, global_num_seqs: int, global_num_tokens: int,
+                   max_response_tokens: int) -> torch.Tensor:
+    """This microbatch's loss term for aggregation mode `name` (the recipe's `loss_aggregation`)."""
+    if name == "seq_mean_token_sum_norm":
+        return seq_mean_token_sum_norm(token_loss, loss_mask, global_num_seqs=global_num_seqs,
+                                       max_response_tokens=max_response_tokens)
+    if name == "token_mean":
+        return token_mean(token_loss, loss_mask, global_num_tokens=global_num_tokens)
+    if name == "seq_mean_token_mean":
+        return seq_mean_token_mean(token_loss, loss_mask, seq_idx, global_num_seqs=global_num_seqs)
+    raise ValueError(f"unknown loss aggregation {name!r}; valid: {list(AGGREGATION_NAMES)}")
