@@ -89,3 +89,111 @@ class Rollout:
         """The oldest policy version that produced a response token (staleness is measured from it)."""
         covered = [v for s, v in self.version_segments if s < len(self.token_ids)]
         return min(covered) if covered else self.version_segments[0][1]
+
+
+@dataclass(frozen=True, eq=False)
+class RolloutGroup:
+    """The G rollouts of one prompt with their verifications; the buffer's unit of admission and release.
+
+    A rollout worker builds it with the first four fields. The buffer's admitted form (made with
+    `dataclasses.replace`) also carries, per rollout ([G] arrays, read-only): `rewards` = task rewards
+    after the repetition gate, `length_bonuses` = Δr, `advantages` (broadcast to every response token
+    by the trainer) and `canary_flags` = LZ77 repetition flags. Either all four are set or none.
+    """
+
+    group_id: str                          # unique per generated group (a prompt may be sampled again)
+    prompt: Prompt
+    rollouts: tuple[Rollout, ...]          # [G]
+    verifications: tuple[Verification, ...]  # [G], verifications[i] judges rollouts[i]
+    rewards: np.ndarray | None = None         # [G] float64
+    length_bonuses: np.ndarray | None = None  # [G] float64
+    advantages: np.ndarray | None = None      # [G] float64
+    canary_flags: np.ndarray | None = None    # [G] bool
+
+    def __post_init__(self):
+        object.__setattr__(self, "rollouts", tuple(self.rollouts))
+        object.__setattr__(self, "verifications", tuple(self.verifications))
+        g = len(self.rollouts)
+        if g == 0:
+            raise ValueError(f"group {self.group_id!r} has no rollouts")
+        if len(self.verifications) != g:
+            raise ValueError(f"group {self.group_id!r}: {len(self.verifications)} verifications for {g} rollouts")
+        scored = [self.rewards, self.length_bonuses, self.advantages, self.canary_flags]
+        if any(a is not None for a in scored):
+            if any(a is None for a in scored):
+                raise ValueError(f"group {self.group_id!r}: rewards, length_bonuses, advantages and "
+                                 "canary_flags are set together (the buffer's admitted form)")
+            for name, a in zip(("rewards", "length_bonuses", "advantages", "canary_flags"), scored):
+                if np.shape(a) != (g,):
+                    raise ValueError(f"group {self.group_id!r}: {name} has shape {np.shape(a)}, expected ({g},)")
+
+    @property
+    def size(self) -> int:
+        return len(self.rollouts)
+
+    @property
+    def admitted(self) -> bool:
+        return self.advantages is not None
+
+    @property
+    def min_version(self) -> int:
+        """The oldest policy version of any response token in the group (its staleness anchor)."""
+        return min(r.min_version for r in self.rollouts)
+
+    def task_rewards(self) -> np.ndarray:
+        """[G] float64 verifier rewards (0 where the verifier failed), before any gate."""
+        return np.array([v.reward for v in self.verifications], dtype=np.float64)
+
+    def response_lengths(self) -> np.ndarray:
+        """[G] int64 response token counts."""
+        return np.array([len(r.token_ids) for r in self.rollouts], dtype=np.int64)
+
+    @property
+    def num_verifier_errors(self) -> int:
+        return sum(v.error is not None for v in self.verifications)
+
+
+@dataclass(frozen=True, eq=False)
+class TrainBatch:
+    """The admitted groups for one trainer optimizer step, as the buffer released them.
+
+    `trainer_step` is the trainer's policy version when it pulled the batch (optimizer steps done);
+    the batch produces step `trainer_step + 1`. The global counts and the staleness facts are derived
+    from the groups at construction, so they cannot disagree with them. Rollout order everywhere is
+    group-major: group 0's rollouts, then group 1's, ...
+    """
+
+    groups: tuple[RolloutGroup, ...]
+    trainer_step: int
+    num_sequences: int = field(init=False)        # N_seq of the loss aggregation (empty responses count)
+    num_response_tokens: int = field(init=False)  # N_tok of the loss aggregation
+    staleness: np.ndarray = field(init=False)     # [N_seq] int64, trainer_step - rollout.min_version
+
+    def __post_init__(self):
+        object.__setattr__(self, "groups", tuple(self.groups))
+        if not self.groups:
+            raise ValueError("a train batch needs at least one group")
+        unscored = [g.group_id for g in self.groups if not g.admitted]
+        if unscored:
+            raise ValueError(f"groups {unscored[:5]} were not admitted by the buffer (no advantages)")
+        rollouts = [r for g in self.groups for r in g.rollouts]
+        staleness = np.array([self.trainer_step - r.min_version for r in rollouts], dtype=np.int64)
+        if staleness.min() < 0:
+            raise ValueError(f"a rollout's policy version is newer than trainer step {self.trainer_step}: "
+                             f"staleness {staleness.min()}")
+        staleness.flags.writeable = False
+        object.__setattr__(self, "num_sequences", len(rollouts))
+        object.__setattr__(self, "num_response_tokens", sum(len(r.token_ids) for r in rollouts))
+        object.__setattr__(self, "staleness", staleness)
+
+    @property
+    def max_staleness(self) -> int:
+        return int(self.staleness.max())
+
+    def rollouts(self) -> tuple[Rollout, ...]:
+        """[N_seq] rollouts in group-major order."""
+        return tuple(r for g in self.groups for r in g.rollouts)
+
+    def advantages(self) -> np.ndarray:
+        """[N_seq] float64 per-rollout advantages in group-major order."""
+        return np.concatenate([g.advantages for g in self.groups])

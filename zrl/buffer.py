@@ -1,0 +1,447 @@
+"""The rollout buffer of the asynchronous pipeline: scoring, bounded staleness, capacity, release, pacing.
+
+A plain class (DESIGN.md style rule 1); the controller hosts it in one Ray actor. It is the only place
+where staleness is decided (DESIGN.md "Buffer", ALGORITHMS.md §7).
+
+Admission (`admit`), per group, in this order (zrl/algorithms/README.md "Buffer order"):
+1. LZ77 repetition canary: a flagged rollout's task reward is zeroed (when `zero_reward`), counted.
+2. Length bonus Δr (difficulty-scaled, numerator only): c from the stage's ramp at the trainer's
+   current step, p* of the prompt's data source from earlier observation batches only.
+3. Dynamic sampling: a group whose task rewards are all equal and whose Δr is all zero is dropped
+   (counted) — it would get zero advantage everywhere. It still feeds the solve-rate frontier.
+4. Advantages by the recipe's estimator; the group is stored in its admitted form.
+The frontier is updated once per observation batch: every `prompts_per_batch` groups received, each
+data source's mean gated solve rate over those groups. All received groups count, dropped ones too:
+the frontier tracks what the policy solves, and the zero-signal filter would bias it (it removes
+every all-correct group while the length gate is still closed).
+
+Order ("oldest first"): a group's age is its oldest token's policy version (`min_version`), ties
+broken by arrival. Release and capacity eviction both take the oldest first; for release this is
+earliest-deadline-first (a group may be released up to step min_version + max_staleness_steps), which
+minimises staleness evictions. With rollouts produced in order it is the arrival order.
+
+Invariants:
+- Staleness of a rollout at trainer step t is t - rollout.min_version (per-token versions: a rollout
+  spanning an in-flight weight sync is as stale as its oldest token). A group with any rollout over
+  `max_staleness_steps` is evicted, never released; checked whenever the step changes, on admission
+  and again at release.
+- At most `buffer_capacity_batches * prompts_per_batch` groups are buffered; the oldest are evicted.
+- A batch of exactly `prompts_per_batch` groups is released only when at least
+  `min_ready_batches * prompts_per_batch` groups are buffered, at most one batch per trainer step, and
+  a released group leaves the buffer (released at most once).
+- Conservation (cumulative counts): received = dropped_zero_signal + admitted;
+  admitted = released + evicted_capacity + evicted_stale + discarded_on_resume + buffered.
+
+Pacing (`admission_credit`): a group started now by workers at version w has min_version >= w and can
+be released at trainer steps up to w + S (S = max_staleness_steps). The trainer pulls one batch of B
+groups per step, oldest first, so groups queued (buffered or in flight) up to n·B are released within
+the n pulls at steps next_pull .. w + S, n = w + S - next_pull + 1 (next_pull = the trainer step, or
+the one after it when a batch was already released at it). The queue limit is n·B, capped by the
+capacity, and never below min_ready_batches·B while the trainer still waits to pull at its current
+step, so the trainer can always get a batch (no deadlock). Workers may start limit - buffered -
+in_flight more groups. The floor only binds when min_ready_batches > S - lag + 1 (lag = t - w); with
+the steady-state lag <= sync_every_steps - 1 (weights reach the workers promptly) it never binds when
+min_ready_batches <= max_staleness_steps - sync_every_steps + 2 (true for the ZAYA1 values 2, 2, 2 and
+for synchronous mode 1, 0, 1). Workers that respect the credit never cause a capacity eviction, and
+when groups finish in the order they were started no group goes stale either. A group that finishes
+after a later-started one may miss the last pull its version allows (the trainer does not wait for
+it); it is then evicted as stale — pacing reduces waste, the eviction is the guarantee.
+
+Resume: `state_dict` keeps counters, the frontier and its pending observations, the trainer step and
+the staleness histogram. Buffered groups are not saved (they hold token, logprob and routing arrays
+and are cheap to regenerate relative to a checkpoint's size); they are counted as
+`discarded_on_resume` in the saved state.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import numpy as np
+
+from zrl.algorithms import (
+    SolveRateFrontier,
+    compute_advantages,
+    filter_zero_variance_groups,
+    length_coef,
+    length_rewards,
+)
+from zrl.canaries import compressibility_report, repetition_gate
+from zrl.config.schema import Algorithm, Asynchrony, RLStage, Sampling
+from zrl.types import RolloutGroup, TrainBatch
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+AdmissionStatus = Literal["buffered", "dropped_zero_signal", "evicted_stale", "evicted_capacity"]
+
+# Cumulative counters; conservation identities in the module docstring.
+COUNTERS = ("received", "dropped_zero_signal", "kept_for_length", "admitted", "released",
+            "released_batches", "evicted_capacity", "evicted_stale", "discarded_on_resume",
+            "rollouts_received", "canary_flagged", "verifier_errors")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What `admit` did with one group, and what it evicted to keep the invariants."""
+
+    group_id: str
+    status: AdmissionStatus       # the group's own fate; "buffered" means it waits for release
+    canary_flagged: int           # rollouts of this group flagged by the LZ77 canary
+    evicted_stale: int            # groups (this one included) evicted as stale during this call
+    evicted_capacity: int         # groups (this one included) evicted for capacity during this call
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: tuple[int, int]          # (min_version, arrival): the buffer's age order
+    group: RolloutGroup
+
+
+class _Window:
+    """Means reported by `metrics` over the groups received since its previous call."""
+
+    def __init__(self) -> None:
+        self.rollouts = 0
+        self.reward_sum = 0.0          # verifier rewards
+        self.gated_reward_sum = 0.0    # after the repetition gate
+        self.flagged = 0
+        self.verifier_errors = 0
+        self.length_sum = 0
+        self.bonus_sum = 0.0
+        self.bonus_rollouts = 0        # rollouts with a non-zero Δr
+        self.groups = 0
+        self.bonus_groups = 0
+        self.env_reward: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+
+
+class RolloutBuffer:
+    """Admits scored groups, enforces staleness and capacity, releases train batches, paces workers."""
+
+    def __init__(self, asynchrony: Asynchrony, algorithm: Algorithm, sampling: Sampling, *,
+                 stage_steps: int, first_step: int = 0, frontier: SolveRateFrontier | None = None):
+        """`stage_steps`: optimizer steps of the stage (the length coefficient ramps over them);
+        `first_step`: the trainer step (policy version) the stage starts at; `frontier`: p* inherited
+        from the previous stage, or None for a fresh one."""
+        if stage_steps < 1:
+            raise ValueError(f"stage_steps must be >= 1, got {stage_steps}")
+        if first_step < 0:
+            raise ValueError(f"first_step must be >= 0, got {first_step}")
+        if algorithm.advantage == "grpo" and algorithm.length_reward.enabled:
+            raise ValueError("algorithm.advantage=grpo does not take a length bonus (behavioural stage, "
+                             "seeds/003 §IV-B7): set algorithm.length_reward.enabled: false")
+        self.asynchrony = asynchrony
+        self.algorithm = algorithm
+        self.sampling = sampling
+        self.stage_steps = stage_steps
+        self.first_step = first_step
+        self.batch_groups = sampling.prompts_per_batch
+        self.capacity_groups = asynchrony.buffer_capacity_batches * sampling.prompts_per_batch
+        self.ready_groups = asynchrony.min_ready_batches * sampling.prompts_per_batch
+        self.frontier = frontier if frontier is not None else SolveRateFrontier()
+        self._trainer_step = first_step
+        self._last_release_step: int | None = None
+        self._arrivals = 0
+        self._entries: list[_Entry] = []          # sorted by key, oldest first
+        self._buffered_ids: set[str] = set()
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._staleness_hist: dict[int, int] = {}  # staleness -> released rollouts
+        self._pending_solve: dict[str, list[float]] = {}  # source -> [gated reward sum, rollouts]
+        self._pending_groups = 0
+        self._window = _Window()
+
+    @classmethod
+    def from_stage(cls, stage: RLStage, *, first_step: int = 0,
+                   frontier: SolveRateFrontier | None = None) -> RolloutBuffer:
+        return cls(stage.asynchrony, stage.algorithm, stage.sampling, stage_steps=stage.steps,
+                   first_step=first_step, frontier=frontier)
+
+    # --- trainer step and staleness ------------------------------------------------------------
+
+    @property
+    def trainer_step(self) -> int:
+        return self._trainer_step
+
+    @property
+    def num_buffered(self) -> int:
+        return len(self._entries)
+
+    def buffered(self) -> tuple[RolloutGroup, ...]:
+        """The buffered (admitted) groups, oldest first: the order of release."""
+        return tuple(e.group for e in self._entries)
+
+    def staleness_of(self, group: RolloutGroup) -> int:
+        """Staleness of the group's stalest rollout at the current trainer step."""
+        return self._trainer_step - group.min_version
+
+    def set_trainer_step(self, step: int) -> int:
+        """Record the trainer's policy version (optimizer steps done); returns groups evicted as stale."""
+        if step < self._trainer_step:
+            raise ValueError(f"trainer step went back from {self._trainer_step} to {step}")
+        self._trainer_step = step
+        return self._evict_stale()
+
+    def _evict_stale(self) -> int:
+        # Entries are sorted by min_version, so the stale ones form a prefix.
+        oldest_ok = self._trainer_step - self.asynchrony.max_staleness_steps
+        cut = bisect.bisect_left(self._entries, (oldest_ok, -1), key=lambda e: e.key)
+        for entry in self._entries[:cut]:
+            self._buffered_ids.discard(entry.group.group_id)
+        del self._entries[:cut]
+        self._counts["evicted_stale"] += cut
+        return cut
+
+    def _evict_capacity(self) -> list[str]:
+        excess = len(self._entries) - self.capacity_groups
+        if excess <= 0:
+            return []
+        evicted = [e.group.group_id for e in self._entries[:excess]]
+        self._buffered_ids.difference_update(evicted)
+        del self._entries[:excess]
+        self._counts["evicted_capacity"] += excess
+        return evicted
+
+    # --- admission -------------------------------------------------------------------------------
+
+    def length_coef(self) -> float:
+        """c of the length reward at the trainer's current stage-local step (0 when disabled)."""
+        spec = self.algorithm.length_reward
+        if not spec.enabled:
+            return 0.0
+        return length_coef(self._trainer_step - self.first_step, num_steps=self.stage_steps,
+                           c_start=spec.c_start, c_end=spec.c_end)
+
+    def _canary_flags(self, group: RolloutGroup) -> np.ndarray:
+        lz77 = self.algorithm.canaries.lz77
+        if not lz77.enabled:
+            return np.zeros(group.size, dtype=bool)
+        return np.array([compressibility_report(r.token_ids, threshold=lz77.threshold,
+                                                bytes_per_token=lz77.bytes_per_token,
+                                                chunk_tokens=lz77.chunk_tokens).flagged
+                         for r in group.rollouts], dtype=bool)
+
+    def admit(self, group: RolloutGroup) -> Admission:
+        """Score one verified group (canary gate, Δr, zero-signal filter, advantages) and buffer it."""
+        if group.admitted:
+            raise ValueError(f"group {group.group_id!r} is already scored; admit the worker's raw group")
+        if group.group_id in self._buffered_ids:
+            raise ValueError(f"group {group.group_id!r} is already in the buffer")
+        task = group.task_rewards()                     # [G]
+        lengths = group.response_lengths()              # [G]
+        flags = self._canary_flags(group)               # [G]
+        zero = self.algorithm.canaries.lz77.zero_reward
+        rewards = np.array([repetition_gate(r, bool(f)) if zero else r for r, f in zip(task, flags)],
+                           dtype=np.float64)
+        spec = self.algorithm.length_reward
+        if spec.enabled:
+            bonus = length_rewards(rewards, lengths, l_max=self.sampling.max_response_tokens,
+                                   c=self.length_coef(), p_star=self.frontier.p_star(group.prompt.data_source),
+                                   accuracy_tolerance=spec.accuracy_tolerance,
+                                   tolerance_tokens=spec.tolerance_tokens)
+        else:
+            bonus = np.zeros(group.size, dtype=np.float64)
+        self._record_received(group, task, rewards, flags, lengths, bonus)
+
+        if self.algorithm.dynamic_sampling:
+            kept = filter_zero_variance_groups([rewards], [bonus])
+            if kept.num_dropped:
+                self._counts["dropped_zero_signal"] += 1
+                return Admission(group.group_id, "dropped_zero_signal", int(flags.sum()), 0, 0)
+            self._counts["kept_for_length"] += kept.num_kept_for_length
+        advantages = compute_advantages(self.algorithm.advantage, rewards,
+                                        bonus if spec.enabled else None)
+        for a in (rewards, bonus, advantages, flags):
+            a.flags.writeable = False
+        scored = replace(group, rewards=rewards, length_bonuses=bonus, advantages=advantages,
+                         canary_flags=flags)
+        entry = _Entry((scored.min_version, self._arrivals), scored)
+        self._arrivals += 1
+        bisect.insort(self._entries, entry, key=lambda e: e.key)
+        self._buffered_ids.add(group.group_id)
+        self._counts["admitted"] += 1
+
+        stale = self._evict_stale()
+        evicted = self._evict_capacity()
+        if group.group_id not in self._buffered_ids:
+            status: AdmissionStatus = "evicted_capacity" if group.group_id in evicted else "evicted_stale"
+        else:
+            status = "buffered"
+        return Admission(group.group_id, status, int(flags.sum()), stale, len(evicted))
+
+    def _record_received(self, group: RolloutGroup, task: np.ndarray, rewards: np.ndarray,
+                         flags: np.ndarray, lengths: np.ndarray, bonus: np.ndarray) -> None:
+        g = group.size
+        c = self._counts
+        c["received"] += 1
+        c["rollouts_received"] += g
+        c["canary_flagged"] += int(flags.sum())
+        c["verifier_errors"] += group.num_verifier_errors
+        w = self._window
+        w.groups += 1
+        w.rollouts += g
+        w.reward_sum += float(task.sum())
+        w.gated_reward_sum += float(rewards.sum())
+        w.flagged += int(flags.sum())
+        w.verifier_errors += group.num_verifier_errors
+        w.length_sum += int(lengths.sum())
+        w.bonus_sum += float(bonus.sum())
+        w.bonus_rollouts += int(np.count_nonzero(bonus))
+        w.bonus_groups += int(bool(np.any(bonus)))
+        env = w.env_reward[group.prompt.env]
+        env[0] += float(task.sum())
+        env[1] += g
+        # The frontier sees earlier observation batches only: accumulate, flush every B groups.
+        pending = self._pending_solve.setdefault(group.prompt.data_source, [0.0, 0])
+        pending[0] += float(rewards.sum())
+        pending[1] += g
+        self._pending_groups += 1
+        if self._pending_groups >= self.batch_groups:
+            for source, (total, count) in self._pending_solve.items():
+                self.frontier.update(source, total / count)
+            self._pending_solve.clear()
+            self._pending_groups = 0
+
+    # --- release ---------------------------------------------------------------------------------
+
+    def _next_pull_step(self) -> int:
+        return self._trainer_step + int(self._last_release_step == self._trainer_step)
+
+    def ready(self) -> bool:
+        """Whether `take_batch(trainer_step)` would release a batch now."""
+        return (len(self._entries) >= self.ready_groups
+                and self._last_release_step != self._trainer_step)
+
+    def take_batch(self, step: int) -> TrainBatch | None:
+        """The batch for trainer step `step` (its policy version), or None when fewer than
+        `min_ready_batches` batches are buffered. Advances the buffer's trainer step to `step` first.
+        Raises if a batch was already released for `step` (one batch per optimizer step)."""
+        self.set_trainer_step(step)
+        if self._last_release_step == step:
+            raise ValueError(f"a batch was already released for trainer step {step}")
+        if len(self._entries) < self.ready_groups:
+            return None
+        entries = self._entries[:self.batch_groups]
+        batch = TrainBatch(groups=tuple(e.group for e in entries), trainer_step=step)
+        if batch.max_staleness > self.asynchrony.max_staleness_steps:
+            raise AssertionError(f"stale group survived eviction: staleness {batch.max_staleness} at step {step}")
+        del self._entries[:self.batch_groups]
+        self._buffered_ids.difference_update(g.group_id for g in batch.groups)
+        self._last_release_step = step
+        self._counts["released"] += len(batch.groups)
+        self._counts["released_batches"] += 1
+        values, counts = np.unique(batch.staleness, return_counts=True)
+        for s, n in zip(values.tolist(), counts.tolist()):
+            self._staleness_hist[s] = self._staleness_hist.get(s, 0) + n
+        return batch
+
+    # --- pacing ----------------------------------------------------------------------------------
+
+    def queue_limit(self, worker_version: int) -> int:
+        """Groups that may be buffered or in flight now (the rule is in the module docstring)."""
+        if worker_version > self._trainer_step:
+            raise ValueError(f"worker version {worker_version} is newer than trainer step {self._trainer_step}")
+        next_pull = self._next_pull_step()
+        pulls = worker_version + self.asynchrony.max_staleness_steps - next_pull + 1
+        limit = max(pulls, 0) * self.batch_groups
+        if next_pull == self._trainer_step:
+            limit = max(limit, self.ready_groups)  # the trainer waits at this step: let it pull
+        return min(limit, self.capacity_groups)
+
+    def admission_credit(self, in_flight_groups: int, worker_version: int) -> int:
+        """How many more groups rollout workers may start now.
+
+        in_flight_groups: groups started and not yet passed to `admit` (all workers);
+        worker_version: the policy version the workers generate with now (the oldest, if they differ).
+        """
+        if in_flight_groups < 0:
+            raise ValueError(f"in_flight_groups must be >= 0, got {in_flight_groups}")
+        return max(0, self.queue_limit(worker_version) - len(self._entries) - in_flight_groups)
+
+    # --- metrics and state -----------------------------------------------------------------------
+
+    def metrics(self, reset_window: bool = True) -> dict[str, float]:
+        """Cumulative counts (buffer/, canary/, env/, staleness/<k>) and means over the groups received
+        since the previous call (reward/, lengths/, length_reward/, fractions); window means are
+        omitted when no group arrived. `reset_window=False` leaves the window open."""
+        c = self._counts
+        out: dict[str, float] = {f"buffer/{k}": float(c[k]) for k in
+                                 ("received", "admitted", "dropped_zero_signal", "kept_for_length",
+                                  "released", "released_batches", "evicted_capacity", "evicted_stale",
+                                  "discarded_on_resume")}
+        out["buffer/occupancy"] = float(len(self._entries))
+        out["buffer/occupancy_batches"] = len(self._entries) / self.batch_groups
+        out["buffer/trainer_step"] = float(self._trainer_step)
+        out["canary/lz77_flagged"] = float(c["canary_flagged"])
+        out["env/verifier_errors"] = float(c["verifier_errors"])
+        released_rollouts = sum(self._staleness_hist.values())
+        for s in range(self.asynchrony.max_staleness_steps + 1):
+            out[f"staleness/{s}"] = float(self._staleness_hist.get(s, 0))
+        if released_rollouts:
+            out["staleness/max"] = float(max(self._staleness_hist))
+            out["staleness/mean"] = sum(s * n for s, n in self._staleness_hist.items()) / released_rollouts
+        out["length_reward/c"] = self.length_coef()
+        for source, p_star in self.frontier.state_dict().items():
+            out[f"length_reward/p_star/{source}"] = p_star
+        w = self._window
+        if w.rollouts:
+            out["reward/mean"] = w.reward_sum / w.rollouts
+            out["reward/gated_mean"] = w.gated_reward_sum / w.rollouts
+            for env, (total, count) in sorted(w.env_reward.items()):
+                out[f"reward/{env}"] = total / count
+            out["canary/lz77_flagged_fraction"] = w.flagged / w.rollouts
+            out["env/verifier_error_fraction"] = w.verifier_errors / w.rollouts
+            out["lengths/response_mean"] = w.length_sum / w.rollouts
+            out["length_reward/bonus_mean"] = w.bonus_sum / w.rollouts
+            out["length_reward/active_rollout_fraction"] = w.bonus_rollouts / w.rollouts
+            out["length_reward/active_group_fraction"] = w.bonus_groups / w.groups
+        if reset_window:
+            self._window = _Window()
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """Cumulative counters plus `buffered`, for conservation checks."""
+        return {**self._counts, "buffered": len(self._entries)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain, JSON-serialisable state; buffered groups are counted as discarded, not saved."""
+        counts = dict(self._counts)
+        counts["discarded_on_resume"] += len(self._entries)
+        return {
+            "version": STATE_VERSION,
+            "trainer_step": self._trainer_step,
+            "last_release_step": self._last_release_step,
+            "arrivals": self._arrivals,
+            "counts": counts,
+            "staleness_hist": {str(s): n for s, n in self._staleness_hist.items()},
+            "frontier": self.frontier.state_dict(),
+            "pending_solve": {s: list(v) for s, v in self._pending_solve.items()},
+            "pending_groups": self._pending_groups,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from `state_dict`; the buffer starts empty (see the module docstring)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"buffer state version {state.get('version')!r}, expected {STATE_VERSION}")
+        unknown = set(state["counts"]) - set(COUNTERS)
+        if unknown:
+            raise ValueError(f"unknown buffer counters in state: {sorted(unknown)}")
+        if self._entries:
+            logger.warning("load_state_dict drops %d buffered groups", len(self._entries))
+        self.frontier.load_state_dict(state["frontier"])
+        self._trainer_step = int(state["trainer_step"])
+        last = state["last_release_step"]
+        self._last_release_step = None if last is None else int(last)
+        self._arrivals = int(state["arrivals"])
+        self._counts = {k: int(state["counts"].get(k, 0)) for k in COUNTERS}
+        self._staleness_hist = {int(s): int(n) for s, n in state["staleness_hist"].items()}
+        self._pending_solve = {str(s): [float(v[0]), int(v[1])] for s, v in state["pending_solve"].items()}
+        self._pending_groups = int(state["pending_groups"])
+        self._entries = []
+        self._buffered_ids = set()
+        self._window = _Window()
