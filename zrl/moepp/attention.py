@@ -1,0 +1,179 @@
+"""Compressed Convolutional Attention (CCA / CCGQA) of the ZAYA1 model, on packed token streams.
+
+Per layer (shapes: T tokens, Hq query heads, Hk KV heads, d head_dim, C = (Hq + Hk) d):
+  q = W_q x [T, Hq d], k = W_k x [T, Hk d]
+  mean skip: q_res = (q + repeat_kv(k)) / 2 per query head, k_res = mean of q_res over each KV group
+  [q, k] -> causal depthwise Conv1d (kernel k0) -> causal grouped Conv1d (kernel k1, Hq + Hk groups);
+            history before a document is zero *at the input* of the first convolution, so the conv
+            biases do flow into the first tokens (as in the reference, which left-pads with zeros)
+  q = conv_q + q_res, k = conv_k + k_res
+  v = [W_vc x_t, W_vd x_{t-1}] (x_{t-1} = 0 at a document start, so that half is W_vd's bias there)
+  QK-norm: q, k scaled to L2 norm sqrt(d); k multiplied by a per-KV-head temperature (linear)
+  partial RoPE (rotate-half) on the first `rotary_dim` channels of each head, causal GQA attention
+Everything from the convolutions to RoPE runs in fp32 (CCA_STATE, QK_MEAN, QK_NORM); projections and
+attention run in the compute dtype. Parameter names match the HF `zaya` checkpoint (`qkv_proj.*`,
+`qk_norm.temp`, `o_proj`).
+
+Invariant: no operation mixes tokens of different documents (see packing.PackedLayout).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zrl.moepp.blocks import linear
+from zrl.moepp.config import MoEPPConfig
+from zrl.moepp.packing import PackedLayout
+from zrl.moepp.precision import Fp32Op, to_op_dtype
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rotary_dim / 2] (fp32) for rotate-half RoPE at integer `positions` [T].
+
+    Frequencies theta^(-2i / rotary_dim), computed in fp32 like the reference (and vLLM) so that
+    angles at large positions round identically.
+    """
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim
+    inv_freq = 1.0 / (theta ** exponents)  # [rotary_dim / 2]
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
+    return angles.cos(), angles.sin()
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first 2 * cos.shape[-1] channels of x [T, H, d]; the rest pass through."""
+    half = cos.shape[-1]
+    if half == 0:
+        return x
+    x1, x2, rest = x[..., :half], x[..., half: 2 * half], x[..., 2 * half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+    """Causal GQA attention inside each document. q [T, Hq, d], k/v [T, Hk, d] -> [T, Hq, d].
+
+    Equal-length documents run as one SDPA batch; otherwise one SDPA call per document (no padding,
+    memory O(max document length^2) for the math kernel). Scale is d^-1/2.
+    """
+    seq_len = layout.uniform_seq_len
+    if seq_len is not None:
+        n = layout.num_docs
+
+        def heads_first(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(n, seq_len, t.shape[1], t.shape[2]).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v),
+                                             is_causal=True, enable_gqa=True)  # [N, Hq, S, d]
+        return out.transpose(1, 2).reshape(q.shape)
+    outs = []
+    for qd, kd, vd in zip(q.split(layout.seq_lens), k.split(layout.seq_lens), v.split(layout.seq_lens)):
+        o = F.scaled_dot_product_attention(qd.transpose(0, 1)[None], kd.transpose(0, 1)[None],
+                                           vd.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))  # [S_doc, Hq, d]
+    return torch.cat(outs, dim=0)
+
+
+class CCAProjection(nn.Module):
+    """q/k/v of CCA: projections, causal convolutions, mean skip and the delayed value half."""
+
+    def __init__(self, config: MoEPPConfig) -> None:
+        super().__init__()
+        d, hq, hk = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.num_q_heads, self.num_kv_heads = d, hq, hk
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, hk * d, bias=bias)
+        self.v_proj_current = nn.Linear(config.hidden_size, hk * d // 2, bias=bias)
+        self.v_proj_delayed = nn.Linear(config.hidden_size, hk * d // 2, bias=bias)
+        channels = (hq + hk) * d
+        self.conv_qk_depthwise = nn.Conv1d(channels, channels, config.cca_time0, groups=channels)
+        self.conv_qk_grouped = nn.Conv1d(channels, channels, config.cca_time1, groups=hq + hk)
+
+    @property
+    def conv_history(self) -> int:
+        """Tokens of history the two stacked causal convolutions read (P)."""
+        return self.conv_qk_depthwise.kernel_size[0] - 1 + self.conv_qk_grouped.kernel_size[0] - 1
+
+    def forward(self, x: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> q [T, Hq, d] fp32, k [T, Hk, d] fp32, v [T, Hk, d] compute dtype."""
+        t, d, hq, hk = x.shape[0], self.head_dim, self.num_q_heads, self.num_kv_heads
+        q = to_op_dtype(linear(x, self.q_proj), Fp32Op.QK_MEAN)  # [T, Hq d]
+        k = to_op_dtype(linear(x, self.k_proj), Fp32Op.QK_MEAN)  # [T, Hk d]
+
+        # Mean skip: each query head averaged with its KV head; each KV head gets its group's mean.
+        groups = hq // hk
+        q_res = (q.view(t, hq, d) + k.view(t, hk, d).repeat_interleave(groups, dim=1)) * 0.5  # [T, Hq, d]
+        k_res = q_res.view(t, hk, groups, d).mean(dim=2)  # [T, Hk, d]
+
+        conv = self._causal_convs(to_op_dtype(torch.cat([q, k], dim=-1), Fp32Op.CCA_STATE), layout)  # [T, C]
+        q_out = conv[:, : hq * d].view(t, hq, d) + q_res
+        k_out = conv[:, hq * d:].view(t, hk, d) + k_res
+
+        v_current = linear(x, self.v_proj_current)  # [T, Hk d / 2]
+        v_all = linear(x, self.v_proj_delayed)  # [T, Hk d / 2] projection of every token, used one step later
+        # At a document start the previous token is zero history: W_vd 0 + b_vd.
+        start_value = (self.v_proj_delayed.bias.to(v_all.dtype) if self.v_proj_delayed.bias is not None
+                       else v_all.new_zeros(()))
+        v_delayed = torch.where(layout.doc_start[:, None], start_value, torch.roll(v_all, 1, dims=0))
+        v = torch.cat([v_current, v_delayed], dim=-1).view(t, hk, d)
+        return q_out, k_out, v
+
+    def _causal_convs(self, qk: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+        """Both causal convolutions with zero history per document. qk [T, C] fp32 -> [T, C] fp32.
+
+        The stream is laid out with P zero columns before each document; running the convolutions
+        without padding over it gives, for a token at padded column p, the window [p - P, p], which
+        never reaches into the previous document.
+        """
+        t, channels = qk.shape
+        pad = layout.conv_padding
+        padded = qk.new_zeros(t + pad * layout.num_docs, channels).index_copy(0, layout.conv_index, qk)
+        h = padded.t()[None]  # [1, C, T + N P]
+        dw, gr = self.conv_qk_depthwise, self.conv_qk_grouped
+        h = F.conv1d(h, to_op_dtype(dw.weight, Fp32Op.CCA_STATE), to_op_dtype(dw.bias, Fp32Op.CCA_STATE),
+                     groups=dw.groups)
+        h = F.conv1d(h, to_op_dtype(gr.weight, Fp32Op.CCA_STATE), to_op_dtype(gr.bias, Fp32Op.CCA_STATE),
+                     groups=gr.groups)  # [1, C, T + N P - P]
+        return h[0].t().index_select(0, layout.conv_index - pad)
+
+
+class QKNorm(nn.Module):
+    """L2-normalise q and k to norm sqrt(d) (fp32) and scale k by a learned per-KV-head temperature."""
+
+    def __init__(self, config: MoEPPConfig) -> None:
+        super().__init__()
+        self.scale = config.head_dim ** 0.5
+        self.temp = nn.Parameter(torch.zeros(config.num_key_value_heads))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = to_op_dtype(q, Fp32Op.QK_NORM), to_op_dtype(k, Fp32Op.QK_NORM)
+        eps = torch.finfo(torch.float32).eps  # only guards an all-zero vector
+        q = q * (self.scale / q.norm(dim=-1, keepdim=True).clamp_min(eps))
+        k = k * (self.scale / k.norm(dim=-1, keepdim=True).clamp_min(eps))
+        return q, k * to_op_dtype(self.temp, Fp32Op.QK_NORM)[None, :, None]
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.temp)  # the reference's initial value
+
+
+class CCAttention(nn.Module):
+    """The attention block of a ZAYA1 layer: CCA projection, QK-norm, partial RoPE, GQA, o_proj."""
+
+    def __init__(self, config: MoEPPConfig) -> None:
+        super().__init__()
+        self.qkv_proj = CCAProjection(config)
+        self.qk_norm = QKNorm(config)
+        self.o_proj = nn.Linear(config.num_attention_heads * config.head_dim, config.hidden_size,
+                                bias=config.attention_bias)
+
+    def forward(self, x: torch.Tensor, layout: PackedLayout, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, D] (normed) -> [T, D] in the compute dtype."""
+        q, k, v = self.qkv_proj(x, layout)
+        q, k = self.qk_norm(q, k)
+        cos, sin = rope
+        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        dtype = self.o_proj.weight.dtype
+        out = causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), layout)  # [T, Hq, d]
+        return linear(out.reshape(out.shape[0], -1), self.o_proj)

@@ -1,0 +1,61 @@
+"""Optimizer parameter groups and parameter accounting of the MoE++ model.
+
+Grouping (seeds/000 §IV-B training paragraph, seeds/003 §IV): Muon for matrix-valued hidden weights
+— every `nn.Linear` weight inside the decoder layers (q/k/v/o projections, router down-projection
+and router MLP) and the 3-D expert tensors (E matrices each); AdamW for everything else —
+embeddings, an untied LM head, all 1-D parameters (norms, biases, residual scales, key temperatures,
+EDA coefficients) and the CCA convolution kernels. Balancing biases are buffers, not parameters:
+they belong to routing.BiasBalancer.
+
+Works on the meta device (for counting) and on FSDP2-wrapped models (names are unchanged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from zrl.moepp.experts import SwiGLUExperts
+
+
+def optimizer_param_groups(model: nn.Module) -> dict[str, dict[str, nn.Parameter]]:
+    """{"muon": {name: param}, "adamw": {name: param}}, each trainable parameter exactly once."""
+    muon_ids: set[int] = set()
+    for layer in model.layers:
+        for module in layer.modules():
+            if isinstance(module, nn.Linear):
+                muon_ids.add(id(module.weight))
+            elif isinstance(module, SwiGLUExperts):
+                muon_ids.update((id(module.gate_up_proj), id(module.down_proj)))
+    groups: dict[str, dict[str, nn.Parameter]] = {"muon": {}, "adamw": {}}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            groups["muon" if id(param) in muon_ids else "adamw"][name] = param
+    return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterCounts:
+    total: int  # every parameter once (the tied embedding/LM head counted once)
+    embedding: int  # embedding matrix (+ an untied LM head)
+    expert: int  # all expert weights of all layers
+    active: int  # used per token under top-1 routing: total - (E - 1)/E of the expert weights
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding
+
+    @property
+    def active_non_embedding(self) -> int:
+        return self.active - self.embedding
+
+
+def count_parameters(model: nn.Module) -> ParameterCounts:
+    """Parameter counts of a MoEPPForCausalLM (meta-device models included)."""
+    num_experts = model.config.num_experts
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.embed_tokens.weight.numel() + (0 if model.lm_head is None else model.lm_head.weight.numel())
+    expert = sum(p.numel() for m in model.modules() if isinstance(m, SwiGLUExperts) for p in m.parameters())
+    inactive = expert // num_experts * (num_experts - 1)
+    return ParameterCounts(total=total, embedding=embedding, expert=expert, active=total - inactive)

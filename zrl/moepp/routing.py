@@ -1,0 +1,141 @@
+"""Routing records of a forward pass, routing statistics, and the bias-balancing controller.
+
+Shapes: T tokens, L MoE layers (= decoder layers), E experts; expert ids are in [0, E] with E the
+skip class; `REPLAY_SENTINEL` (255) in a replay record means "no record, route natively".
+
+Everything here returns tensors without synchronising with the host, and counts rather than
+fractions where a caller may want to all-reduce across ranks before dividing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from zrl.moepp.router import REPLAY_SENTINEL, RouterOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingInfo:
+    """What the routers did in one forward pass."""
+
+    native_ids: torch.Tensor  # [T, L] uint8, each router's own biased argmax
+    chosen_ids: torch.Tensor  # [T, L] uint8, the experts used (replayed where recorded)
+    expert_counts: torch.Tensor  # [L, E + 1] int64 tokens per chosen class (skip last)
+    replay_disagree: torch.Tensor | None  # [L] int64 recorded entries whose native id differs
+    replay_recorded: torch.Tensor | None  # [L] int64 entries with a record (not the sentinel)
+    replay_missing: torch.Tensor | None  # [L] int64 sentinel entries (routed natively)
+
+    @property
+    def replay_mismatch_fraction(self) -> torch.Tensor | None:
+        """Fraction of recorded (token, layer) entries where native routing disagrees: [] fp32."""
+        if self.replay_disagree is None:
+            return None
+        return self.replay_disagree.sum().float() / self.replay_recorded.sum().clamp_min(1).float()
+
+
+def collect_routing(outputs: Sequence[RouterOutput], replay: torch.Tensor | None, num_classes: int) -> RoutingInfo:
+    """Stack per-layer router outputs; `replay` is the [T, L] int64 record used (or None)."""
+    native = torch.stack([o.native for o in outputs], dim=1)  # [T, L]
+    chosen = torch.stack([o.chosen for o in outputs], dim=1)  # [T, L]
+    counts = torch.stack([torch.bincount(o.chosen, minlength=num_classes) for o in outputs])  # [L, E + 1]
+    disagree = recorded = missing = None
+    if replay is not None:
+        has_record = replay != REPLAY_SENTINEL  # [T, L]
+        recorded = has_record.sum(dim=0)
+        missing = (~has_record).sum(dim=0)
+        disagree = (has_record & (native != replay)).sum(dim=0)
+    return RoutingInfo(native_ids=native.to(torch.uint8), chosen_ids=chosen.to(torch.uint8),
+                       expert_counts=counts, replay_disagree=disagree, replay_recorded=recorded,
+                       replay_missing=missing)
+
+
+def validate_replay(replay: torch.Tensor, num_tokens: int, num_layers: int, num_experts: int) -> torch.Tensor:
+    """Check a [T, L] record (any integer dtype) and return it as int64. Ids must be in [0, E] or 255."""
+    if replay.dtype.is_floating_point or replay.dtype == torch.bool:
+        raise ValueError(f"routing_replay must hold integer expert ids, got dtype {replay.dtype}")
+    replay = replay.reshape(-1, replay.shape[-1]) if replay.dim() == 3 else replay
+    if tuple(replay.shape) != (num_tokens, num_layers):
+        raise ValueError(f"routing_replay must be [T, L] = [{num_tokens}, {num_layers}], got {tuple(replay.shape)}")
+    replay = replay.to(torch.int64)
+    bad = ((replay < 0) | (replay > num_experts)) & (replay != REPLAY_SENTINEL)
+    if bool(bad.any()):
+        raise ValueError(f"routing_replay ids must be in [0, {num_experts}] (skip = {num_experts}) or the "
+                         f"sentinel {REPLAY_SENTINEL}; found {replay[bad][0].item()}")
+    return replay
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingStats:
+    load: torch.Tensor  # [L, E] fraction of routed (non-skip) tokens per expert
+    skip_fraction: torch.Tensor  # [L] fraction of all tokens sent to the skip class
+    load_entropy: torch.Tensor  # [L] H(load) / ln E, 1 = perfectly balanced, 0 = one expert
+
+
+def routing_stats(expert_counts: torch.Tensor) -> RoutingStats:
+    """Per-layer load statistics from [L, E + 1] counts (possibly summed over ranks and steps)."""
+    counts = expert_counts.to(torch.float64)
+    routed = counts[:, :-1]  # [L, E]
+    num_experts = routed.shape[1]
+    load = routed / routed.sum(dim=1, keepdim=True).clamp_min(1.0)
+    entropy = -torch.special.xlogy(load, load).sum(dim=1)  # 0 log 0 = 0
+    normaliser = math.log(num_experts) if num_experts > 1 else 1.0
+    return RoutingStats(
+        load=load.float(),
+        skip_fraction=(counts[:, -1] / counts.sum(dim=1).clamp_min(1.0)).float(),
+        load_entropy=(entropy / normaliser).float(),
+    )
+
+
+def balancing_error(expert_counts: torch.Tensor) -> torch.Tensor:
+    """seeds/003 eq. 5: grad b_{l,e} = p_{l,e} - 1/E, as an [L, E + 1] fp32 tensor.
+
+    p_{l,e} is expert e's share of the tokens layer l routed to real experts (the empirical routing
+    distribution over the E experts, compared with the uniform one). The skip class is not balanced:
+    its column is 0, so its bias keeps its value. A layer that routed no token to any expert gets
+    -1/E everywhere, which lifts all expert biases equally against the skip class.
+    """
+    counts = expert_counts.to(torch.float64)
+    routed = counts[:, :-1]  # [L, E]
+    p = routed / routed.sum(dim=1, keepdim=True).clamp_min(1.0)
+    error = torch.zeros_like(counts)
+    error[:, :-1] = p - 1.0 / routed.shape[1]
+    return error.float()
+
+
+class BiasBalancer:
+    """The PID-like balancing-bias controller: AdamW on the router biases, fed the balancing error.
+
+    Build it after the model has its final device and dtype (it holds the bias tensors). Call
+    `step(counts)` with [L, E + 1] expert counts of the global batch (all-reduce them first when
+    data-parallel, so every rank applies the same update). Whether to run it during RL is a recipe
+    choice (MODEL.md: default off, router replay pins choices anyway).
+    """
+
+    def __init__(self, biases: Sequence[torch.Tensor], *, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        self.biases = list(biases)
+        for b in self.biases:
+            if b.dtype != torch.float32:
+                raise ValueError(f"balancing biases must be fp32, got {b.dtype}")
+        self.optimizer = torch.optim.AdamW(self.biases, lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, **kwargs) -> BiasBalancer:
+        return cls([layer.mlp.gate.balancing_biases for layer in model.layers], **kwargs)
+
+    @torch.no_grad()
+    def step(self, expert_counts: torch.Tensor) -> torch.Tensor:
+        """One controller update; returns the [L, E + 1] error that was applied."""
+        if expert_counts.shape[0] != len(self.biases):
+            raise ValueError(f"expert_counts has {expert_counts.shape[0]} layers, the model {len(self.biases)}")
+        error = balancing_error(expert_counts)
+        for bias, err in zip(self.biases, error.to(self.biases[0].device)):
+            bias.grad = err.clone()
+        self.optimizer.step()
+        for bias in self.biases:
+            bias.grad = None
+        return error
