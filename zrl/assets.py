@@ -6,7 +6,8 @@ tokenizes and the same call always writes the same `tokenizer.json`. Its chat te
 assistant turn with `<think>`; the model reasons, closes `</think>`, then answers.
 
 The checkpoint is written by transformers' own `ZayaConfig`/`ZayaForCausalLM` with a seeded
-initialisation: the Hugging Face `zaya` layout is the interchange format (shared MODEL.md).
+initialisation (key temperatures set to 1 instead of transformers' 0, so attention is not uniform at
+the start): the Hugging Face `zaya` layout is the interchange format (shared MODEL.md).
 """
 
 import json
@@ -18,7 +19,7 @@ TINY_MODEL_CONFIG = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=16,
+    head_dim=32,  # vLLM's CPU attention backend supports head sizes from 32 up
     moe_intermediate_size=128,
     num_experts=4,
     num_experts_per_tok=1,
@@ -91,6 +92,12 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids)
     torch.manual_seed(seed)
     model = ZayaForCausalLM(config)
+    with torch.no_grad():
+        # transformers initialises the per-KV-head key temperature to 0, i.e. uniform attention until
+        # it is learned; the tiny demo model must learn in minutes, so it starts at 1.
+        for name, param in model.named_parameters():
+            if name.endswith("qk_norm.temp"):
+                param.fill_(1.0)
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "zrl_tiny.json").write_text(json.dumps({"seed": seed, "overrides": overrides}, sort_keys=True) + "\n")
     return out

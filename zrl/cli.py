@@ -89,13 +89,13 @@ def cmd_init_tiny_model(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from zrl.run import prepare_run
+    from zrl.run import run_recipe
 
     recipe = _load(args)
     problems = [f"{item}: {problem}" for item, problem in availability(recipe)]
-    if any(line.startswith("model.") for line in problems):
+    if problems:
         return _error(problems, EXIT_NOT_AVAILABLE)
-    return prepare_run(recipe, address=args.address, unavailable=problems)
+    return run_recipe(recipe, address=args.address)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,7 @@ Responsibilities: create the run directory and record the resolved recipe in it;
 assets exist (building the tiny CPU checkpoint when the recipe asks for it); connect to the Ray
 cluster named by `--address` (or the one `ray job submit` provides) or start an embedded one; and
 check that the cluster can host the recipe's rollout and trainer pools before anything is launched.
-Stage execution (rollout workers, buffer, trainer ranks) is not part of this module.
+Then it hands the recipe to the cascade controller (zrl/pipeline/controller.py).
 """
 
 import json
@@ -17,8 +17,6 @@ import yaml
 from zrl.config import Recipe
 
 log = logging.getLogger("zrl")
-
-EXIT_NOT_IMPLEMENTED = 3
 
 
 def prepare_model(recipe: Recipe) -> Path:
@@ -66,12 +64,12 @@ def check_capacity(cluster: dict[str, float], needed: dict[str, float]) -> list[
             for kind, amount in needed.items() if amount > cluster.get(kind, 0) + 1e-9]
 
 
-def prepare_run(recipe: Recipe, address: str | None = None, unavailable: list[str] = ()) -> int:
+def run_recipe(recipe: Recipe, address: str | None = None) -> int:
     out = Path(recipe.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "recipe.resolved.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     log.info("run directory: %s (resolved recipe written)", out)
-    prepare_model(recipe)
+    model_path = prepare_model(recipe)
     ray = connect_ray(address)
     try:
         cluster = ray.cluster_resources()
@@ -83,13 +81,10 @@ def prepare_run(recipe: Recipe, address: str | None = None, unavailable: list[st
             for line in problems:
                 log.error(line)
             return 2
-        for index, stage in enumerate(recipe.stages):
-            log.info("stage %d/%d %r: kind=%s steps=%d environments=%s", index + 1, len(recipe.stages),
-                     stage.name, stage.kind, stage.steps, [e.name for e in stage.environments])
-        for line in unavailable:
-            log.error("not available: %s", line)
-        log.error("stage execution is not available in this version: the rollout/trainer pipeline has not "
-                  "landed yet, so nothing was trained")
-        return EXIT_NOT_IMPLEMENTED
+        from zrl.pipeline.controller import Cascade
+
+        step = Cascade(recipe, model_path).run()
+        log.info("cascade %r finished at trainer step %d; run directory %s", recipe.name, step, out)
+        return 0
     finally:
         ray.shutdown()

@@ -36,6 +36,9 @@ class Resources(Strict):
     cpus_per_trainer_worker: float = Field(1.0, gt=0)
     gpus_per_rollout_worker: float = Field(0.0, ge=0)
     gpus_per_trainer_worker: float = Field(0.0, ge=0)
+    trainer_microbatch_tokens: int = Field(
+        131072, ge=2, description="packed tokens per trainer microbatch (raised to fit the longest sequence)")
+    activation_checkpointing: bool = True
 
 
 class WandbSink(Strict):

@@ -1,0 +1,81 @@
+"""Resource pools and actors: where `ray.remote` is applied to the plain worker classes.
+
+The rollout pool and the trainer pool are two placement groups, so their resources are disjoint by
+construction (fractional CPUs on a laptop, whole GPUs on a cluster; counts from `recipe.resources`).
+The buffer and the verifiers take no reserved resources: they are light and must never wait for a
+bundle. Every actor gets the project's environment variables (vLLM in-process engine, compile caches,
+offline wandb/hub) explicitly, so the same code works embedded and under `ray job submit`.
+"""
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from zrl.config.schema import Resources
+
+log = logging.getLogger("zrl")
+
+# Variables the actors inherit from the driver when set (cache locations, vLLM CPU settings, offline mode).
+FORWARDED_ENV = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TMPDIR", "VLLM_CPU_KVCACHE_SPACE",
+                 "VLLM_CPU_OMP_THREADS_BIND", "WANDB_MODE", "HF_HUB_OFFLINE", "PYTHONPATH")
+ACTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+             "TOKENIZERS_PARALLELISM": "false"}
+
+
+def actor_env(cpus: float) -> dict[str, str]:
+    env = dict(ACTOR_ENV)
+    env.update({k: os.environ[k] for k in FORWARDED_ENV if k in os.environ})
+    env["OMP_NUM_THREADS"] = str(max(1, int(cpus)))
+    return env
+
+
+@dataclass
+class Pool:
+    group: object  # ray PlacementGroup
+    cpus: float
+    gpus: float
+    size: int
+    actors: list = field(default_factory=list)
+
+    def options(self, index: int, **extra) -> dict:
+        return dict(num_cpus=self.cpus, num_gpus=self.gpus, runtime_env={"env_vars": actor_env(self.cpus)},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index),
+                    **extra)
+
+
+def reserve_pool(name: str, size: int, cpus: float, gpus: float, timeout_s: float = 120.0) -> Pool:
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    group = placement_group([bundle] * size, strategy="PACK", name=f"zrl-{name}")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(f"could not reserve the {name} pool ({size} x {bundle}) within {timeout_s:.0f} s; "
+                           f"cluster resources: {ray.cluster_resources()}")
+    return Pool(group, cpus, gpus, size)
+
+
+def reserve_pools(resources: Resources) -> tuple[Pool, Pool]:
+    r = resources
+    rollout = reserve_pool("rollout", r.rollout_workers, r.cpus_per_rollout_worker, r.gpus_per_rollout_worker)
+    trainer = reserve_pool("trainer", r.trainer_workers, r.cpus_per_trainer_worker, r.gpus_per_trainer_worker)
+    log.info("pools reserved: %d rollout worker(s) x %g CPU/%g GPU, %d trainer rank(s) x %g CPU/%g GPU",
+             r.rollout_workers, r.cpus_per_rollout_worker, r.gpus_per_rollout_worker,
+             r.trainer_workers, r.cpus_per_trainer_worker, r.gpus_per_trainer_worker)
+    return rollout, trainer
+
+
+def light_actor(cls, *args, max_restarts: int = 0, **kwargs):
+    """An actor that holds no reserved resources (buffer, verifiers)."""
+    return ray.remote(cls).options(num_cpus=0, max_restarts=max_restarts,
+                                   runtime_env={"env_vars": actor_env(1)}).remote(*args, **kwargs)
+
+
+def release(pool: Pool) -> None:
+    for actor in pool.actors:
+        ray.kill(actor)
+    pool.actors = []
+    remove_placement_group(pool.group)

@@ -1,0 +1,63 @@
+"""Runs one SFT stage: supervised warm start on demonstrations that the stage's environments produce.
+
+Each step draws `examples_per_step` prompts from the stage's prompt source, renders them with the
+tokenizer's chat template (the assistant turn opens the reasoning section), appends the environment's
+demonstration and the end-of-turn token, and sends the same examples to every trainer rank, which pack
+their share and take one optimizer step (token-mean NLL over the global batch). Examples longer than
+`max_sequence_tokens` are skipped and counted, never truncated.
+"""
+
+import logging
+
+import numpy as np
+import ray
+
+from zrl.config.schema import SFTStage
+from zrl.prompts import PromptSource
+
+log = logging.getLogger("zrl")
+
+END_OF_TURN = "<|im_end|>"
+
+
+def build_examples(source: PromptSource, tokenizer, n: int, max_tokens: int):
+    from zrl.trainer import SFTExample
+
+    examples, skipped = [], 0
+    entries = {e.env.name: e.env for e in source.entries}
+    for prompt in source.next_prompts(n):
+        demo = entries[prompt.env].demonstration(prompt)
+        if demo is None:
+            raise ValueError(f"environment {prompt.env!r} has no demonstrations: it cannot feed an sft stage")
+        text = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        end = END_OF_TURN if END_OF_TURN in tokenizer.get_vocab() else tokenizer.eos_token
+        token_ids = tokenizer(demo + end, add_special_tokens=False)["input_ids"]
+        if len(prompt_ids) + len(token_ids) > max_tokens:
+            skipped += 1
+            continue
+        examples.append(SFTExample(np.asarray(prompt_ids, np.int64), np.asarray(token_ids, np.int64)))
+    return examples, skipped
+
+
+def run_sft_stage(stage: SFTStage, ranks: list, tokenizer, seed: int, start_version: int, log_metrics,
+                  checkpoint=None) -> int:
+    source = PromptSource(stage.environments, seed=seed)
+    step = start_version
+    end = start_version + stage.steps
+    log.info("stage %r: %d SFT steps from trainer step %d", stage.name, stage.steps, step)
+    while step < end:
+        examples, skipped = build_examples(source, tokenizer, stage.examples_per_step, stage.max_sequence_tokens)
+        if not examples:
+            raise ValueError(f"stage {stage.name!r}: every example exceeds max_sequence_tokens="
+                             f"{stage.max_sequence_tokens}")
+        ref = ray.put(examples)
+        metrics = ray.get([rank.sft_step.remote(ref) for rank in ranks])[0]
+        step += 1
+        metrics["sft/skipped_long_examples"] = float(skipped)
+        log_metrics(step, metrics)
+        log.info("step %d/%d | sft loss %.4f | %d examples | %.0f tok/s", step, end, metrics.get("loss/sft", float("nan")),
+                 len(examples), metrics.get("perf/tokens_per_s", 0.0))
+        if checkpoint and (step % stage.checkpoint_every_steps == 0 or step == end):
+            checkpoint(step, {"stage": stage.name, "prompt_source": source.state_dict()})
+    return step
