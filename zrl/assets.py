@@ -30,7 +30,10 @@ TINY_MODEL_CONFIG = dict(
     tie_word_embeddings=True,
 )
 TINY_VOCAB_SIZE = 512
-SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>"]
+# Reasoning delimiters are added tokens but not "special": decoding keeps them (vLLM and transformers
+# skip special tokens when detokenizing), so a verifier sees where the reasoning ends.
+REASONING_TOKENS = ["<think>", "</think>"]
 # The assistant turn starts inside the reasoning section; `</think>` separates reasoning from the answer.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -57,7 +60,7 @@ def _synthetic_corpus(seed: int = 0, lines: int = 4000) -> list[str]:
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = TINY_VOCAB_SIZE, seed: int = 0):
     """Train the tiny byte-level BPE tokenizer and save it as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
@@ -67,10 +70,10 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = TINY_VOCAB_SIZE, seed
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(_synthetic_corpus(seed), trainer=trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in REASONING_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>", "<think>", "</think>"],
-        chat_template=CHAT_TEMPLATE)
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=CHAT_TEMPLATE)
     fast.save_pretrained(str(out_dir))
     return fast
 

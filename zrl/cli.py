@@ -7,6 +7,7 @@ per problem to stderr and exits non-zero, without a traceback.
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import yaml
 
 from zrl.config import Recipe, RecipeError, load_recipe
 from zrl.env.registry import UnknownEnvironmentError
+from zrl.runtime_env import apply_defaults
 
 log = logging.getLogger("zrl")
 
@@ -98,6 +100,21 @@ def cmd_run(args) -> int:
     return run_recipe(recipe, address=args.address)
 
 
+def cmd_eval(args) -> int:
+    import dataclasses
+    import json
+
+    from zrl.config.schema import EnvironmentSpec
+    from zrl.evaluate import evaluate
+
+    options = yaml.safe_load(args.options) if args.options else {}
+    result = evaluate(args.checkpoint, EnvironmentSpec(name=args.env, options=options), num_prompts=args.num_prompts,
+                      seed=args.seed, samples_per_prompt=args.samples, temperature=args.temperature,
+                      max_response_tokens=args.max_response_tokens, dtype=args.dtype)
+    sys.stdout.write(json.dumps(dataclasses.asdict(result)) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zrl", description="Asynchronous RL post-training for MoE reasoning models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -120,6 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("envs", help="list registered environments")
     p.set_defaults(func=cmd_envs)
 
+    p = sub.add_parser("eval", help="accuracy of a checkpoint on an environment's held-out split")
+    p.add_argument("checkpoint", help="Hugging Face zaya checkpoint directory (e.g. <output_dir>/stages/<name>/hf)")
+    p.add_argument("--env", required=True, help="environment name or module:Class")
+    p.add_argument("--options", help="environment options as YAML, e.g. '{max_operand: 20}'")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-response-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.set_defaults(func=cmd_eval)
+
     p = sub.add_parser("init-tiny-model", help="build the tiny CPU tokenizer + zaya checkpoint")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
@@ -127,8 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through the cascade's cleanup like Ctrl-C does
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    apply_defaults()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="[zrl %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     try:

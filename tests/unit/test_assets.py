@@ -27,6 +27,10 @@ def test_chat_template_opens_the_reasoning_section(tmp_path):
     assert prompt == "<bos><|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n"
     ids = tok(prompt, add_special_tokens=False).input_ids
     assert tok.convert_tokens_to_ids("<think>") in ids and "</think>" in tok.get_vocab()
+    # Decoding keeps the reasoning delimiters (verifiers split on `</think>`) but drops turn markers.
+    reply = tok("1 + 1 = 2\n</think>\n2<|im_end|>", add_special_tokens=False).input_ids
+    assert tok.convert_tokens_to_ids("</think>") in reply
+    assert tok.decode(reply, skip_special_tokens=True) == "1 + 1 = 2\n</think>\n2"
     assert "<think>" in CHAT_TEMPLATE
 
 

@@ -8,7 +8,6 @@ offline wandb/hub) explicitly, so the same code works embedded and under `ray jo
 """
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import ray
@@ -16,22 +15,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from zrl.config.schema import Resources
+from zrl.runtime_env import actor_env
 
 log = logging.getLogger("zrl")
-
-# Variables the actors inherit from the driver when set (cache locations, vLLM CPU settings, offline mode).
-FORWARDED_ENV = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TMPDIR", "VLLM_CPU_KVCACHE_SPACE",
-                 "VLLM_CPU_OMP_THREADS_BIND", "WANDB_MODE", "HF_HUB_OFFLINE", "PYTHONPATH")
-ACTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-             "TOKENIZERS_PARALLELISM": "false"}
-
-
-def actor_env(cpus: float) -> dict[str, str]:
-    env = dict(ACTOR_ENV)
-    env.update({k: os.environ[k] for k in FORWARDED_ENV if k in os.environ})
-    env["OMP_NUM_THREADS"] = str(max(1, int(cpus)))
-    return env
-
 
 @dataclass
 class Pool:

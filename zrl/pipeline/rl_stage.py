@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 
 from zrl.buffer import RolloutBuffer
 from zrl.config.schema import RLStage
@@ -85,6 +85,8 @@ class RLStageRunner:
         self.training: list | None = None
         self.syncs: dict = {}        # ref -> worker index
         self.latest_weights = None   # object ref of the last exported state dict
+        self.latest_version = start_version
+        self._restarted: set[int] = set()  # workers restarted and not yet back in sync
         self._next_verifier = 0
         self._window_start = time.perf_counter()
         self._train_started = 0.0
@@ -99,7 +101,7 @@ class RLStageRunner:
 
     def _sync_weights(self, workers: list[int]) -> None:
         for w in workers:
-            ref = self.workers[w].update_weights.remote(self.latest_weights, self.step)
+            ref = self.workers[w].update_weights.remote(self.latest_weights, self.latest_version)
             self.syncs[ref] = w
 
     # ------------------------------------------------------------------ the loop
@@ -174,13 +176,8 @@ class RLStageRunner:
         w = self.rounds.pop(ref)
         try:
             result = ray.get(ref)
-        except RayActorError:
-            log.warning("rollout worker %d died; %d in-flight group(s) lost, restarting it", w, self.in_engine[w])
-            self.counters.lost_groups += self.in_engine[w]
-            self.counters.worker_restarts += 1
-            self.in_engine[w] = 0
-            self.worker_version[w] = -1  # unknown until the restarted engine gets the latest weights
-            self._sync_weights([w])
+        except RayActorError as exc:
+            self._worker_failed(w, exc)
             return
         self.in_engine[w] = result.in_flight_groups
         self.worker_version[w] = result.version
@@ -234,7 +231,7 @@ class RLStageRunner:
         if self.step % sync_every == 0 and self.step < self.end_step:
             started = time.perf_counter()
             exports = [r.export_state.remote(self.ctx.engine_dtype) for r in self.ctx.ranks]
-            self.latest_weights = exports[0]
+            self.latest_weights, self.latest_version = exports[0], self.step
             self._sync_weights(range(len(self.workers)))
             ray.get(exports)
             self.counters.sync_s += time.perf_counter() - started
@@ -243,9 +240,27 @@ class RLStageRunner:
         if self.ctx.checkpoint and (self.step % self.stage.checkpoint_every_steps == 0 or self.step == self.end_step):
             self.ctx.checkpoint(self.step, self.data_state())
 
+    def _worker_failed(self, w: int, exc: RayActorError) -> None:
+        if isinstance(exc, ActorDiedError) and w in self._restarted:
+            raise RuntimeError(f"rollout worker {w} died again after a restart; giving up on the stage") from exc
+        if w not in self._restarted:
+            log.warning("rollout worker %d died; %d in-flight group(s) lost, Ray restarts it", w, self.in_engine[w])
+            self._restarted.add(w)
+            self.counters.lost_groups += self.in_engine[w]
+            self.counters.worker_restarts += 1
+            self.in_engine[w] = 0
+        self.worker_version[w] = -1  # unknown until the restarted engine has the latest weights
+        if w not in self.syncs.values():
+            self._sync_weights([w])
+
     def _on_synced(self, ref) -> None:
         w = self.syncs.pop(ref)
-        stats = ray.get(ref)
+        try:
+            stats = ray.get(ref)
+        except RayActorError as exc:  # the worker died or is restarting: sync it again once it is back
+            self._worker_failed(w, exc)
+            return
+        self._restarted.discard(w)
         self.worker_version[w] = int(stats["sync/version"])
         self.counters.extra["sync/update_s_total"] += stats["sync/update_s"]
 

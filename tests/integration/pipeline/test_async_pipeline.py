@@ -5,50 +5,28 @@ One RL stage of 8 steps on the tiny MoE++ model. Assertions come from what the r
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from pipeline_testlib import STEPS, write_recipe
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 HERE = Path(__file__).resolve().parent
 ZRL = str(Path(sys.executable).parent / "zrl")
-STEPS = 8
-
-
-def recipe(tmp_path, model_dir, **asynchrony):
-    data = {
-        "name": "pipeline-test", "model": {"path": str(model_dir), "build_tiny_if_missing": True, "dtype": "float32"},
-        "output_dir": str(tmp_path / "run"), "seed": 3,
-        "resources": {"rollout_workers": 1, "trainer_workers": 2, "cpus_per_rollout_worker": 0.5,
-                      "cpus_per_trainer_worker": 0.5, "trainer_microbatch_tokens": 256},
-        "metrics": {"wandb": {"enabled": False}, "tensorboard": False},
-        "stages": [{
-            "name": "rl", "kind": "rl", "steps": STEPS, "checkpoint_every_steps": 4,
-            "environments": [{"name": "coinflip_env:CoinFlip"}],
-            "sampling": {"prompts_per_batch": 4, "group_size": 4, "max_prompt_tokens": 48, "max_response_tokens": 8},
-            "algorithm": {"length_reward": {"enabled": False}, "canaries": {"lz77": {"enabled": False}}},
-            "optimizer": {"muon": {"lr": 1e-3}},
-            "asynchrony": {"sync_every_steps": 2, "max_staleness_steps": 2, "min_ready_batches": 2,
-                           "buffer_capacity_batches": 4, **asynchrony},
-        }],
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def run(path):
-    env = {**__import__("os").environ, "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
     return subprocess.run([ZRL, "run", str(path)], capture_output=True, text=True, timeout=900, env=env)
 
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
-    result = run(recipe(tmp, tmp_path_factory.getbasetemp() / "tiny-model"))
+    result = run(write_recipe(tmp, tmp_path_factory.getbasetemp() / "tiny-model"))
     assert result.returncode == 0, result.stderr[-6000:]
     rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     return tmp / "run", rows, result.stderr
