@@ -1,0 +1,338 @@
+"""Rollout-worker-facing wrapper around one in-process vLLM engine running the ZAYA1 model.
+
+`RolloutEngine` drives vLLM's `LLMEngine` step by step so that a weight update can land between two
+steps while requests are in flight (PipelineRL "keep": running sequences continue with their KV cache
+and CCA state). For every sample it returns prompt and generated token ids, the sampled tokens'
+logprobs (vLLM's "processed" logprobs by default: the distribution actually sampled from, after
+temperature / top-k / top-p / min-p), the expert chosen by every MoE layer for every token, the finish
+reason and the policy version of every generated token.
+
+Invariants:
+- A generated token's version is the engine's version during the step that sampled it; versions are
+  stored as segments (first token index, version), one per change.
+- `routing` is [P + T, L] uint8 with the skip expert as id E; the row of a token the engine never
+  computed (the last sampled token) is ROUTING_UNSET (255, zrl.moepp's replay sentinel).
+- Sample i of the j-th prompt of `generate` uses seed `seed + j * num_samples + i` when a seed is set.
+Shapes: P prompt tokens, T generated tokens, L MoE layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from serving.routing_capture import ROUTING_UNSET
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "serving.worker_ext.ZayaWorkerExtension"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if isinstance(self.stop, str):
+            raise TypeError("stop must be a tuple of strings, not a string")
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionSegment:
+    start: int  # index of the first generated token sampled under `version`
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    prompt_ids: np.ndarray  # [P] int64
+    token_ids: np.ndarray  # [T] int64
+    logprobs: np.ndarray  # [T] float32, logprob of each sampled token
+    routing: np.ndarray  # [P + T, L] uint8, expert per token and MoE layer (E = skip, 255 = not computed)
+    finish_reason: str  # "stop", "length" or "abort"
+    version_segments: tuple[VersionSegment, ...]
+    text: str
+
+    def token_versions(self) -> np.ndarray:
+        """[T] int64: the policy version of every generated token, expanded from the segments."""
+        versions = np.empty(len(self.token_ids), dtype=np.int64)
+        bounds = [s.start for s in self.version_segments[1:]] + [len(self.token_ids)]
+        for segment, stop in zip(self.version_segments, bounds):
+            versions[segment.start: stop] = segment.version
+        return versions
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedSample:
+    group_id: int
+    sample_index: int
+    output: SampleOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightUpdateStats:
+    version: int
+    seconds: float  # wall time of the in-place load (the engine is paused for this long)
+    num_bytes: int  # bytes of the state dict loaded (0 for a path)
+
+
+@dataclasses.dataclass
+class _Pending:
+    group_id: int
+    sample_index: int
+    internal_id: str
+    prompt_ids: np.ndarray
+    decode_text: bool  # vLLM does not detokenize (no stop strings): decode the text at the end
+    segments: list[VersionSegment]
+
+
+class RolloutEngine:
+    """One ZAYA vLLM engine driven step by step; not thread-safe (call from one thread)."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str = "bfloat16",
+        max_model_len: int = 4096,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        seed: int = 0,
+        logprobs_mode: str = "processed_logprobs",
+        initial_version: int = 0,
+        **engine_kwargs: Any,
+    ) -> None:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from serving.plugin import register
+
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            logger.warning("VLLM_ENABLE_V1_MULTIPROCESSING is not 0: weight updates and routing then "
+                           "cross a process boundary by serialisation")
+        register()  # in this process; vLLM's own processes load it through the entry point
+        args = EngineArgs(
+            model=str(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, seed=seed, enforce_eager=True,
+            enable_prefix_caching=False, logprobs_mode=logprobs_mode, max_logprobs=0,
+            worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
+        self._engine = LLMEngine.from_engine_args(args)
+        self._tokenizer = self._engine.get_tokenizer()
+        self.num_layers = self._rpc("zaya_start_capture")
+        self.version = initial_version
+        self._pending: dict[str, _Pending] = {}
+        self._ids = itertools.count()
+        self._groups = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending)
+
+    def in_flight(self) -> dict[tuple[int, int], int]:
+        """(group id, sample index) -> tokens generated so far, for every unfinished sample."""
+        generated = self._generated_so_far()
+        return {(p.group_id, p.sample_index): generated[k] for k, p in self._pending.items()}
+
+    def submit(self, prompt_ids: Sequence[int], num_samples: int, sampling: SamplingConfig,
+               seed: int | None = None) -> int:
+        """Queue `num_samples` samples of one prompt; returns the group id their outputs carry.
+
+        Sample i uses seed `seed + i` (default: `sampling.seed`); no seed means fresh randomness.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError("prompt_ids must be a non-empty 1-D sequence of token ids")
+        base_seed = sampling.seed if seed is None else seed
+        group_id = next(self._groups)
+        # Stop strings need vLLM's incremental detokenizer; without them the text is decoded once at
+        # the end, which spares vLLM decoding every token (and its logprob entry) at every step.
+        detokenize = bool(sampling.stop)
+        for i in range(num_samples):
+            params = SamplingParams(
+                n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                min_p=sampling.min_p, max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
+                seed=None if base_seed is None else base_seed + i, logprobs=0, flat_logprobs=True,
+                detokenize=detokenize, output_kind=RequestOutputKind.FINAL_ONLY)
+            external_id = f"zrl-{next(self._ids)}"
+            internal_id = self._engine.add_request(external_id, {"prompt_token_ids": prompt.tolist()}, params)
+            self._pending[external_id] = _Pending(group_id, i, internal_id, prompt, not detokenize,
+                                                  [VersionSegment(0, self.version)])
+        return group_id
+
+    def step(self) -> list[FinishedSample]:
+        """Run one engine step; returns the samples that finished in it."""
+        finished = [(output, self._pending.pop(output.request_id)) for output in self._engine.step()
+                    if output.finished and output.request_id in self._pending]
+        if not finished:
+            return []
+        tables = self._rpc("zaya_pop_routing", [p.internal_id for _, p in finished])
+        return [FinishedSample(p.group_id, p.sample_index, self._sample_output(o, p, tables[p.internal_id]))
+                for o, p in finished]
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        num_samples: int,
+        sampling: SamplingConfig,
+        between_steps: Callable[[RolloutEngine], None] | None = None,
+    ) -> list[list[SampleOutput]]:
+        """G = num_samples samples of each prompt, in prompt order then sample order.
+
+        `between_steps(self)` runs after every engine step (e.g. to apply a weight update mid-flight).
+        """
+        if self._pending:
+            raise RuntimeError("generate() needs an idle engine; drain or abort submitted requests first")
+        groups = []
+        for j, prompt in enumerate(prompts):
+            seed = None if sampling.seed is None else sampling.seed + j * num_samples
+            groups.append(self.submit(prompt, num_samples, sampling, seed=seed))
+        slot = {group: j for j, group in enumerate(groups)}
+        results: list[list[SampleOutput | None]] = [[None] * num_samples for _ in prompts]
+        while self._pending:
+            for sample in self.step():
+                results[slot[sample.group_id]][sample.sample_index] = sample.output
+            if between_steps is not None:
+                between_steps(self)
+        return results  # type: ignore[return-value]
+
+    def abort(self, group_id: int) -> None:
+        """Drop every unfinished sample of a group (no output is returned for them)."""
+        external = [k for k, p in self._pending.items() if p.group_id == group_id]
+        if not external:
+            return
+        self._engine.abort_request(external)
+        self._rpc("zaya_discard_routing", [self._pending[k].internal_id for k in external])
+        for k in external:
+            del self._pending[k]
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | str | Path | Any,
+                       version: int | None = None) -> WeightUpdateStats:
+        """Load new weights in place between two steps and bump the version.
+
+        `weights`: a complete state dict with HF `zaya` keys (in-process tensors), a Ray ObjectRef
+        of one, or a checkpoint directory. `version` defaults to the current version + 1.
+        With vLLM's multi-process engine, tensors cannot cross its two process hops: a state dict is
+        then written to a temporary safetensors directory and loaded from there (included in `seconds`).
+        """
+        num_bytes = 0
+        if isinstance(weights, (str, Path)):
+            payload: Mapping[str, torch.Tensor] | str = str(weights)
+        else:
+            if not isinstance(weights, Mapping):
+                import ray  # a Ray ObjectRef; resolved here, in the engine's process
+
+                weights = ray.get(weights)
+            payload = weights
+            num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        start = time.perf_counter()
+        if isinstance(payload, Mapping) and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            with tempfile.TemporaryDirectory(prefix="zrl-weights-") as tmp:
+                save_file({k: t.detach().cpu().contiguous() for k, t in payload.items()},
+                          str(Path(tmp) / "model.safetensors"))
+                self._rpc("zaya_update_weights", tmp)
+        else:
+            self._rpc("zaya_update_weights", payload)
+        seconds = time.perf_counter() - start
+        self.version = self.version + 1 if version is None else version
+        for external_id, generated in self._generated_so_far().items():
+            segments = self._pending[external_id].segments
+            while segments and segments[-1].start >= generated:  # no token sampled under that version
+                segments.pop()
+            segments.append(VersionSegment(generated, self.version))
+        return WeightUpdateStats(version=self.version, seconds=seconds, num_bytes=num_bytes)
+
+    def close(self) -> None:
+        """Abort what is in flight and shut the engine down.
+
+        vLLM's in-process shutdown also tears down its process-global distributed state, so close an
+        engine only when no other in-process vLLM engine of this process is still to be used.
+        """
+        if self._pending:
+            self._engine.abort_request(list(self._pending))
+            self._pending.clear()
+        engine, self._engine = self._engine, None
+        if engine is not None and hasattr(engine, "engine_core"):
+            engine.engine_core.shutdown()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        return self._engine.collective_rpc(method, args=args)[0]
+
+    def _generated_so_far(self) -> dict[str, int]:
+        """external id -> tokens sampled so far, for every pending sample.
+
+        The engine has sampled one token per position it computed at or after the last prompt token
+        (a partial prefill chunk samples nothing kept), so the count follows from the positions the
+        worker's routing recorder has seen; recomputation after preemption does not lower it.
+        """
+        computed = self._rpc("zaya_positions_computed", [p.internal_id for p in self._pending.values()])
+        return {k: max(0, computed[p.internal_id] - len(p.prompt_ids) + 1) for k, p in self._pending.items()}
+
+    def _sample_output(self, output, pending: _Pending, table_bytes: bytes) -> SampleOutput:
+        completion = output.outputs[0]
+        table = np.frombuffer(table_bytes, dtype=np.uint8).reshape(-1, self.num_layers)
+        token_ids = np.asarray(completion.token_ids, dtype=np.int64)
+        num_rows = len(pending.prompt_ids) + len(token_ids)
+        routing = np.full((num_rows, self.num_layers), ROUTING_UNSET, dtype=np.uint8)
+        rows = min(num_rows, table.shape[0])
+        routing[:rows] = table[:rows]
+        text = (self._tokenizer.decode(token_ids.tolist(), skip_special_tokens=True) if pending.decode_text
+                else completion.text)
+        segments = tuple(s for s in pending.segments if s.start < max(len(token_ids), 1))
+        return SampleOutput(
+            prompt_ids=pending.prompt_ids, token_ids=token_ids,
+            logprobs=_sampled_logprobs(completion.logprobs, token_ids), routing=routing,
+            finish_reason=completion.finish_reason or "abort", version_segments=segments, text=text)
+
+
+def _sampled_logprobs(flat, token_ids: np.ndarray) -> np.ndarray:
+    """[T] float32: the sampled token's logprob at each position of a FlatLogprobs (logprobs=0).
+
+    vLLM puts the sampled token first in each position's entries; that is checked, not assumed.
+    """
+    if flat is None:
+        raise RuntimeError("vLLM returned no logprobs although logprobs=0 was requested")
+    first = np.asarray(flat.start_indices[: len(token_ids)], dtype=np.int64)
+    if len(first) != len(token_ids) or not np.array_equal(np.asarray(flat.token_ids)[first], token_ids):
+        raise RuntimeError("vLLM's logprobs do not start with the sampled tokens")
+    return np.asarray(flat.logprobs, dtype=np.float32)[first]

@@ -1,0 +1,112 @@
+"""Worker-side store of the routing captured from every engine step, per request and token position.
+
+Each step hands over the chosen expert of every MoE layer for every token the forward computed
+([N, L] uint8), the token positions and which request owns which span of rows. Rows are written at
+(request, position), so chunked prefill, any batch composition and recomputation after preemption
+(which writes the same positions again, counted in `recomputed_rows`) all land where they belong.
+Positions never computed keep ROUTING_UNSET.
+
+Storage is paged: requests own fixed-size pages of one shared uint8 pool, so memory follows the
+tokens actually in flight, and a step is recorded with a few vectorised numpy operations whatever
+the number of requests (a Python loop runs only over requests that cross into a new page).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+# Routing value of a (token, layer) the engine never computed; equals zrl.moepp's replay sentinel.
+ROUTING_UNSET = 255
+
+
+class RoutingRecorder:
+    def __init__(self, num_layers: int, max_positions: int, page_rows: int = 128) -> None:
+        self.num_layers = num_layers
+        self.page_rows = page_rows
+        self.max_pages = -(-max_positions // page_rows)
+        self.recomputed_rows = 0
+        self._pool = np.full((0, page_rows, num_layers), ROUTING_UNSET, np.uint8)  # [pages, rows, L]
+        self._free_pages: list[int] = []
+        self._slots: dict[str, int] = {}
+        self._free_slots: list[int] = []
+        self._page_table = np.full((0, self.max_pages), -1, np.int64)  # [slots, max_pages]
+        self._num_pages = np.zeros(0, np.int64)  # [slots]
+        self._computed = np.zeros(0, np.int64)  # [slots] highest computed position + 1
+
+    def record(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray,
+               routing: np.ndarray) -> None:
+        """routing [N, L] and positions [N] of one forward; request r owns rows qsl[r]:qsl[r + 1]."""
+        lengths = np.diff(query_start_loc)
+        if (lengths <= 0).any():
+            keep = lengths > 0
+            req_ids = [r for r, k in zip(req_ids, keep) if k]
+            query_start_loc = np.concatenate([[0], np.cumsum(lengths[keep])])
+            lengths = lengths[keep]
+        if not req_ids:
+            return
+        slots = np.fromiter((self._slot(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        positions = positions.astype(np.int64, copy=False)
+        last = np.maximum.reduceat(positions, query_start_loc[:-1])  # [R]
+        if int(last.max()) >= self.max_pages * self.page_rows:
+            raise ValueError(f"position {int(last.max())} beyond the recorder's {self.max_pages * self.page_rows}")
+        needed = last // self.page_rows + 1
+        for i in np.nonzero(needed > self._num_pages[slots])[0]:
+            self._add_pages(int(slots[i]), int(needed[i]))
+        token_slots = np.repeat(slots, lengths)  # [N]
+        pages = self._page_table[token_slots, positions // self.page_rows]
+        self.recomputed_rows += int((positions < self._computed[token_slots]).sum())
+        self._pool[pages, positions % self.page_rows] = routing
+        np.maximum.at(self._computed, token_slots, positions + 1)
+
+    def positions_computed(self, req_id: str) -> int:
+        """Highest computed position + 1 of a request so far (0 if none; recomputation does not lower it)."""
+        slot = self._slots.get(req_id)
+        return 0 if slot is None else int(self._computed[slot])
+
+    def pop(self, req_id: str) -> np.ndarray:
+        """[positions computed, L] uint8 table of the request, releasing its pages (empty if unknown)."""
+        slot = self._slots.pop(req_id, None)
+        if slot is None:
+            return np.full((0, self.num_layers), ROUTING_UNSET, np.uint8)
+        pages = self._page_table[slot, : self._num_pages[slot]]
+        table = self._pool[pages].reshape(-1, self.num_layers)[: self._computed[slot]].copy()
+        self._pool[pages] = ROUTING_UNSET
+        self._free_pages.extend(pages.tolist())
+        self._page_table[slot] = -1
+        self._num_pages[slot] = 0
+        self._computed[slot] = 0
+        self._free_slots.append(slot)
+        return table
+
+    def discard(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self.pop(req_id)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def _slot(self, req_id: str) -> int:
+        slot = self._slots.get(req_id)
+        if slot is None:
+            if not self._free_slots:
+                grow = max(16, len(self._num_pages))
+                start = len(self._num_pages)
+                self._page_table = np.concatenate([self._page_table, np.full((grow, self.max_pages), -1, np.int64)])
+                self._num_pages = np.concatenate([self._num_pages, np.zeros(grow, np.int64)])
+                self._computed = np.concatenate([self._computed, np.zeros(grow, np.int64)])
+                self._free_slots.extend(range(start + grow - 1, start - 1, -1))
+            slot = self._slots[req_id] = self._free_slots.pop()
+        return slot
+
+    def _add_pages(self, slot: int, total: int) -> None:
+        while self._num_pages[slot] < total:
+            if not self._free_pages:
+                grow = max(16, len(self._pool))
+                start = len(self._pool)
+                self._pool = np.concatenate(
+                    [self._pool, np.full((grow, self.page_rows, self.num_layers), ROUTING_UNSET, np.uint8)])
+                self._free_pages.extend(range(start + grow - 1, start - 1, -1))
+            self._page_table[slot, self._num_pages[slot]] = self._free_pages.pop()
+            self._num_pages[slot] += 1

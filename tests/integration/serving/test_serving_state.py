@@ -1,0 +1,188 @@
+"""The pieces of the vLLM integration that need no engine: stateful CCA convolutions and value shift,
+the worker-side routing recorder, the rewindable CPU generator, and the wrapper's value types."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serving.cca_state import request_layout, stateful_causal_convs, stateful_value_shift
+from serving.engine import SampleOutput, SamplingConfig, VersionSegment
+from serving.routing_capture import ROUTING_UNSET, RoutingRecorder
+from serving.worker_ext import _make_cpu_generators_rewindable
+
+pytestmark = pytest.mark.integration
+
+
+def _convs(channels: int, groups: int, k0: int = 2, k1: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    return (nn.Conv1d(channels, channels, k0, groups=channels).double(),
+            nn.Conv1d(channels, channels, k1, groups=groups).double())
+
+
+def _full_sequence_convs(x: torch.Tensor, dw: nn.Conv1d, gr: nn.Conv1d) -> torch.Tensor:
+    """Reference: both convolutions over one whole sequence x [T, C], zero history (left padding)."""
+    history = dw.kernel_size[0] - 1 + gr.kernel_size[0] - 1
+    h = F.pad(x.t()[None], (history, 0))
+    return gr(dw(h))[0].t()
+
+
+def test_request_layout_maps_tokens_to_requests():
+    request, local = request_layout(torch.tensor([0, 1, 4, 4 + 2]), 6)
+    assert request.tolist() == [0, 1, 1, 1, 2, 2]
+    assert local.tolist() == [0, 0, 1, 2, 0, 1]
+
+
+def test_convs_hand_computed_single_channel():
+    # Two channels in two groups (so each "grouped" filter is one scalar per tap), k0 = k1 = 2.
+    dw, gr = _convs(2, 2)
+    with torch.no_grad():
+        dw.weight.copy_(torch.tensor([[[1.0, 2.0]], [[0.0, 1.0]]], dtype=torch.float64))  # a0, a1 per channel
+        dw.bias.copy_(torch.tensor([0.5, 0.0], dtype=torch.float64))
+        gr.weight.copy_(torch.tensor([[[3.0, 1.0]], [[1.0, 0.0]]], dtype=torch.float64))  # g0, g1 per channel
+        gr.bias.copy_(torch.tensor([0.0, 10.0], dtype=torch.float64))
+    x = torch.tensor([[1.0, 5.0], [2.0, 6.0], [3.0, 7.0]], dtype=torch.float64)  # [T=3, C=2]
+    out, history = stateful_causal_convs(x, torch.zeros(1, 2, 2, dtype=torch.float64),
+                                         torch.tensor([0, 3]), dw, gr)
+    # Channel 0: dw(t) = x(t-1) + 2 x(t) + 0.5 with x(<0) = 0 -> dw(-1) = 0.5, dw(0) = 2.5, dw(1) = 5.5,
+    # dw(2) = 8.5; out(t) = 3 dw(t-1) + dw(t) -> 4.0, 13.0, 25.0.
+    # Channel 1: dw(t) = x(t) (dw(-1) = 0); out(t) = dw(t-1) + 10 -> 10, 15, 16.
+    assert out[:, 0].tolist() == [4.0, 13.0, 25.0]
+    assert out[:, 1].tolist() == [10.0, 15.0, 16.0]
+    assert history[0].tolist() == [[2.0, 6.0], [3.0, 7.0]]  # the last P = 2 inputs
+
+
+@pytest.mark.parametrize("chunks", [(11,), (3, 1, 5, 2), (1,) * 11, (2, 9)])
+def test_chunked_convs_equal_the_whole_sequence(chunks):
+    channels, groups = 12, 3
+    dw, gr = _convs(channels, groups)
+    x = torch.randn(sum(chunks), channels, dtype=torch.float64)
+    expected = _full_sequence_convs(x, dw, gr)
+    history = torch.zeros(1, 2, channels, dtype=torch.float64)
+    outs = []
+    for chunk in x.split(list(chunks)):
+        out, history = stateful_causal_convs(chunk, history, torch.tensor([0, len(chunk)]), dw, gr)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs), expected, rtol=0, atol=1e-12)
+
+
+def test_batched_requests_use_their_own_history():
+    channels, groups = 6, 2
+    dw, gr = _convs(channels, groups, k0=3, k1=2)  # history P = 3
+    seqs = [torch.randn(n, channels, dtype=torch.float64) for n in (7, 2, 5)]
+    split = [4, 1, 2]  # first chunk of each request; the rest is batched together afterwards
+    histories, firsts = [], []
+    for seq, k in zip(seqs, split):
+        out, hist = stateful_causal_convs(seq[:k], torch.zeros(1, 3, channels, dtype=torch.float64),
+                                          torch.tensor([0, k]), dw, gr)
+        histories.append(hist)
+        firsts.append(out)
+    rest = [seq[k:] for seq, k in zip(seqs, split)]
+    cu = torch.tensor([0] + np.cumsum([len(r) for r in rest]).tolist())
+    out, new_history = stateful_causal_convs(torch.cat(rest), torch.cat(histories), cu, dw, gr)
+    for i, seq in enumerate(seqs):
+        expected = _full_sequence_convs(seq, dw, gr)
+        got = torch.cat([firsts[i], out[cu[i]: cu[i + 1]]])
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+        padded = F.pad(seq, (0, 0, 3, 0))  # zero rows before the first token
+        torch.testing.assert_close(new_history[i], padded[-3:], rtol=0, atol=0)
+
+
+def test_history_of_a_chunk_shorter_than_the_history_keeps_older_rows():
+    dw, gr = _convs(4, 2)
+    history = torch.arange(8, dtype=torch.float64).view(1, 2, 4)
+    token = torch.full((1, 4), 100.0, dtype=torch.float64)
+    _, new_history = stateful_causal_convs(token, history, torch.tensor([0, 1]), dw, gr)
+    assert new_history[0].tolist() == [[4.0, 5.0, 6.0, 7.0], [100.0] * 4]
+
+
+def test_history_length_must_match_the_kernels():
+    dw, gr = _convs(4, 2)
+    with pytest.raises(ValueError, match="history holds 3 tokens"):
+        stateful_causal_convs(torch.zeros(2, 4), torch.zeros(1, 3, 4), torch.tensor([0, 2]), dw, gr)
+
+
+def test_value_shift_across_chunks_and_requests():
+    value = torch.tensor([[1.0], [2.0], [3.0], [10.0], [20.0]])
+    previous = torch.tensor([[-1.0], [-2.0]])  # the value before each request's chunk
+    shifted, last = stateful_value_shift(value, previous, torch.tensor([0, 3, 5]))
+    assert shifted[:, 0].tolist() == [-1.0, 1.0, 2.0, -2.0, 10.0]
+    assert last[:, 0].tolist() == [3.0, 20.0]
+
+
+def test_recorder_places_rows_by_position_and_counts_recomputation():
+    recorder = RoutingRecorder(num_layers=2, max_positions=64, page_rows=4)
+    rows = np.array([[0, 1], [2, 3], [4, 0], [1, 1]], dtype=np.uint8)
+    # Step 1: request a prefills positions 0..2, request b decodes position 5.
+    recorder.record(["a", "b"], np.array([0, 3, 4]), np.array([0, 1, 2, 5]), rows)
+    assert recorder.positions_computed("a") == 3 and recorder.positions_computed("b") == 6
+    # Step 2: request a is recomputed from scratch (preempted): positions 0..1 again.
+    recorder.record(["a"], np.array([0, 2]), np.array([0, 1]), rows[[3, 3]])
+    assert recorder.recomputed_rows == 2
+    assert recorder.positions_computed("a") == 3  # recomputation does not lower it
+    assert recorder.pop("a").tolist() == [[1, 1], [1, 1], [4, 0]]
+    table_b = recorder.pop("b")
+    assert table_b.shape == (6, 2) and (table_b[:5] == ROUTING_UNSET).all() and table_b[5].tolist() == [1, 1]
+    assert recorder.pop("never-seen").shape == (0, 2)
+    assert len(recorder) == 0
+
+
+def test_recorder_pages_grow_and_are_reused_clean():
+    recorder = RoutingRecorder(num_layers=1, max_positions=40, page_rows=4)
+    ids = [f"r{i}" for i in range(20)]  # more requests and pages than the initial pool holds
+    positions = np.arange(20) * 2  # request i writes position 2 i (page i // 2)
+    recorder.record(ids, np.arange(21), positions, (np.arange(20, dtype=np.uint8) + 1)[:, None])
+    for i, req in enumerate(ids):
+        table = recorder.pop(req)
+        assert table.shape == (2 * i + 1, 1) and table[2 * i, 0] == i + 1 and (table[: 2 * i] == ROUTING_UNSET).all()
+    recorder.record(["new"], np.array([0, 1]), np.array([3]), np.array([[9]], np.uint8))
+    assert recorder.pop("new")[:, 0].tolist() == [ROUTING_UNSET] * 3 + [9]  # freed pages came back clean
+    with pytest.raises(ValueError, match="beyond"):
+        recorder.record(["x"], np.array([0, 1]), np.array([40]), np.zeros((1, 1), np.uint8))
+
+
+def test_rewindable_generator_undoes_one_step_of_sampling():
+    gen = torch.Generator().manual_seed(123)
+    generators = {0: gen}
+    _make_cpu_generators_rewindable(generators)
+    first = torch.empty(4).exponential_(generator=generators[0])
+    generators[0].set_offset(generators[0].get_offset() - 4)  # what vLLM does for a discarded sample
+    again = torch.empty(4).exponential_(generator=generators[0])
+    assert torch.equal(first, again)
+    expected = torch.empty(4).exponential_(generator=torch.Generator().manual_seed(123))
+    assert torch.equal(first, expected)  # the swap kept the seeded state
+
+
+def test_token_versions_expand_segments():
+    sample = SampleOutput(prompt_ids=np.array([1]), token_ids=np.arange(6), logprobs=np.zeros(6, np.float32),
+                          routing=np.zeros((7, 2), np.uint8), finish_reason="length",
+                          version_segments=(VersionSegment(0, 3), VersionSegment(2, 4), VersionSegment(5, 6)),
+                          text="")
+    assert sample.token_versions().tolist() == [3, 3, 4, 4, 4, 6]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=1, temperature=-1.0), "temperature"),
+    (dict(max_tokens=1, top_p=0.0), "top_p"), (dict(max_tokens=1, top_k=-1), "top_k"),
+    (dict(max_tokens=1, min_p=1.5), "min_p"),
+])
+def test_sampling_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
+
+
+def test_plugin_registers_zaya_and_turns_prefix_caching_off(serving_checkpoint):
+    from vllm import ModelRegistry
+    from vllm.engine.arg_utils import EngineArgs
+
+    from serving.plugin import ARCHITECTURE, register
+
+    register()
+    register()  # idempotent
+    assert ARCHITECTURE in ModelRegistry.get_supported_archs()
+    config = EngineArgs(model=str(serving_checkpoint), enable_prefix_caching=True, enforce_eager=True,
+                        max_model_len=128).create_engine_config()
+    assert config.model_config.is_hybrid  # the CCA state lives in vLLM's Mamba-style state cache
+    assert config.cache_config.enable_prefix_caching is False
+    assert config.cache_config.mamba_cache_mode == "none"
