@@ -184,6 +184,8 @@ class RLStageRunner:
         self.counters.generated_tokens += result.generated_tokens
         self.counters.rollout_busy_s += result.busy_s
         self.counters.skipped_long_prompts += result.skipped_long_prompts
+        self.counters.extra.update(result.canary_sums)
+        self.counters.extra["rollouts_generated"] += sum(len(g.rollouts) for g in result.groups)
         for group in result.groups:
             self._verify(group)
 
@@ -262,7 +264,7 @@ class RLStageRunner:
             return
         self._restarted.discard(w)
         self.worker_version[w] = int(stats["sync/version"])
-        self.counters.extra["sync/update_s_total"] += stats["sync/update_s"]
+        self.counters.extra["sync/engine_update_s"] = stats["sync/update_s"]  # the latest in-place load
 
     # ------------------------------------------------------------------ reporting and state
 
@@ -282,7 +284,13 @@ class RLStageRunner:
             "faults/verifier_timeouts": float(c.verifier_timeouts),
             "rollout/skipped_long_prompts": float(c.skipped_long_prompts),
             "rollout/in_flight_groups": float(self._in_flight_groups()),
+            "sync/engine_update_s": float(c.extra.get("sync/engine_update_s", 0.0)),
         })
+        rollouts = c.extra.pop("rollouts_generated", 0)
+        for key in [k for k in c.extra if k.startswith("canary/")]:
+            total = c.extra.pop(key)
+            if rollouts:
+                values[key] = total / rollouts
         self.ctx.log_metrics(self.step, values)
         log.info("step %d/%d | reward %.3f | loss %.4f | staleness max %d | buffered %d | gen %.0f tok/s | "
                  "train %.0f tok/s | sync %.2f s | idle rollout %.0f%% trainer %.0f%%",

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from zrl.canaries import gibberish_fraction, rare_token_fractions
 from zrl.config.schema import RLStage
+from zrl.moepp.config import MoEPPConfig
 from zrl.prompts import PromptSource
 from zrl.types import Prompt, Rollout
 
@@ -39,6 +41,7 @@ class RoundResult:
     busy_s: float                  # wall time spent in engine steps
     version: int                   # the engine's policy version at the end of the round
     skipped_long_prompts: int = 0
+    canary_sums: dict = field(default_factory=dict)  # monitor name -> sum over the finished rollouts
 
 
 @dataclass
@@ -64,6 +67,8 @@ class RolloutWorker:
                                     max_num_seqs=max_num_seqs, seed=seed + worker_index,
                                     initial_version=initial_version)
         self.source = PromptSource(stage.environments, seed=seed * 1000 + worker_index)
+        self.vocab_size = MoEPPConfig.from_pretrained_dir(model_path).vocab_size
+        self.rare_bands = tuple(stage.algorithm.canaries.rare_token_bands)
         self._rng = np.random.default_rng(seed * 1000 + worker_index)
         self._open: dict[int, _Open] = {}
 
@@ -86,7 +91,20 @@ class RolloutWorker:
             busy += time.perf_counter() - t0
         generated = sum(len(r.token_ids) for g in finished for r in g.rollouts) + self._in_flight_tokens() - before
         return RoundResult(groups=finished, in_flight_groups=len(self._open), generated_tokens=generated,
-                           busy_s=busy, version=self.engine.version, skipped_long_prompts=skipped)
+                           busy_s=busy, version=self.engine.version, skipped_long_prompts=skipped,
+                           canary_sums=self._token_canaries(finished))
+
+    def _token_canaries(self, groups: list[GeneratedGroup]) -> dict[str, float]:
+        """Rare-token and gibberish monitors (no gate), summed over rollouts; the controller averages."""
+        sums: dict[str, float] = {}
+        for rollout in (r for g in groups for r in g.rollouts):
+            fractions = rare_token_fractions(rollout.token_ids, self.vocab_size, self.rare_bands)
+            for band, value in fractions.items():
+                key = f"canary/rare_token_frac_top{band:.0%}"
+                sums[key] = sums.get(key, 0.0) + value
+            key = "canary/gibberish_frac"
+            sums[key] = sums.get(key, 0.0) + gibberish_fraction(rollout.token_ids, rollout.logprobs, self.vocab_size)
+        return sums
 
     def update_weights(self, state_dict, version: int) -> dict[str, float]:
         stats = self.engine.update_weights(state_dict, version=version)

@@ -109,3 +109,22 @@ def test_default_math_data_ships_with_the_package():
     env = MathVerify()
     prompts = env.sample(8, seed=0)
     assert len(prompts) == 8 and all(p.answer for p in prompts)
+
+
+def test_string_tasks_copy_and_reverse():
+    from environments.strings import StringTask
+
+    env = StringTask(tasks=["copy", "reverse"], min_letters=3, max_letters=4, alphabet_size=5)
+    train, evals = env.sample(100, seed=2), env.sample(100, seed=2, split="eval")
+    assert not {(p.payload["task"], p.payload["word"]) for p in train} & {(p.payload["task"], p.payload["word"]) for p in evals}
+    for prompt in train[:20]:
+        word = prompt.payload["word"]
+        assert set(word) <= set("abcde") and 3 <= len(word) <= 4
+        assert prompt.answer == (word if prompt.payload["task"] == "copy" else word[::-1])
+        demo = env.demonstration(prompt)
+        assert demo == f"{' '.join(word)}\n</think>\n{prompt.answer}" and env.verify(prompt, demo) == 1.0
+    assert {p.payload["task"] for p in train} == {"copy", "reverse"}
+    longer = env.sample(20, seed=2, difficulty=1.0)
+    assert all(5 <= len(p.payload["word"]) <= 6 for p in longer)
+    with pytest.raises(ValueError, match="tasks must be among"):
+        StringTask(tasks="sort")
