@@ -1,0 +1,34 @@
+"""The FSDP2 trainer worker: one rank of the trainer pool as a plain class (a Ray actor hosts it).
+
+Public API (see worker.py for the step, checkpoint and export semantics):
+  Rendezvous(master_addr, master_port, rank, world_size, backend=None)   where a rank joins the pool
+  TrainerSettings(...) / TrainerSettings.from_stage(stage, token_budget=...)   objective and knobs
+  TrainerWorker(rendezvous, model_path, settings)
+    .train_step(batch: TrainBatch) -> dict[str, float]       metrics named `panel/name`
+    .sft_step(examples: Sequence[SFTExample]) -> dict[str, float]
+    .save_checkpoint(dir, data_state) / .load_checkpoint(dir) -> data_state
+    .export_weights(dtype, bucket_bytes) -> Iterator[WeightBucket]   (version-stamped, HF key names)
+    .export_hf(dir, dtype) / .start_stage(settings, keep_optimizer_state=) / .shutdown()
+  SFTExample(prompt_ids, token_ids); WeightBucket(version, index, tensors, last)
+  plan_microbatches / PackingPlan: the token-budget packing plan (pure; no torch import)
+Names are exported lazily so `zrl.trainer.packing` stays importable without torch.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "PackingPlan": "packing", "plan_microbatches": "packing",
+    "Microbatch": "batch", "SFTExample": "batch",
+    "Rendezvous": "distributed",
+    "WeightBucket": "export",
+    "TrainerSettings": "settings",
+    "TrainerWorker": "worker",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'zrl.trainer' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"zrl.trainer.{_EXPORTS[name]}"), name)

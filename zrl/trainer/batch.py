@@ -1,0 +1,196 @@
+"""Rollouts (or SFT examples) -> flat packed microbatches for one rank, by the shared packing plan.
+
+Layout of one sequence (prompt p_0..p_{P-1}, response y_0..y_{R-1}, full = p ++ y):
+  inputs  = full[:-1]        P + R - 1 tokens (the last sampled token predicts nothing)
+  targets = full[1:]         the response token y_j is the target at input position P - 1 + j
+  loss_mask, behaviour logprobs, advantages, versions: set at positions P - 1 .. P + R - 2
+  routing = rollout.routing[:P + R - 1]   ([P + R, L] recorded; its last row is never an input)
+Sequences are laid end to end in plan order with `cu_seqlens` boundaries; no padding anywhere.
+
+Every rank computes the same `PackingPlan` from the same batch (deterministic) and builds only its
+own share, so no data is scattered. A rollout with an empty response has no loss token: it is not
+packed (it still counts in the global N_seq, which comes from the batch). A plan slot with no
+sequence becomes `dummy_microbatch()`: one token with no loss, run only so that the rank joins the
+FSDP2 collectives of that microbatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from zrl.moepp.router import REPLAY_SENTINEL
+from zrl.trainer.packing import PackingPlan, plan_microbatches
+from zrl.types import Rollout
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    """One supervised demonstration: the loss is on `token_ids` given `prompt_ids`."""
+
+    prompt_ids: np.ndarray  # [P] int, P >= 1
+    token_ids: np.ndarray  # [R] int
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """One packed token stream (T tokens, N sequences) and its per-token training data."""
+
+    input_ids: torch.Tensor  # [T] int64
+    targets: torch.Tensor  # [T] int64, next token (-1 where none: the dummy's single token)
+    cu_seqlens: torch.Tensor  # [N + 1] int64
+    loss_mask: torch.Tensor  # [T] bool, True where the target is a response token
+    seq_idx: torch.Tensor  # [T] int64, the sequence's index in the batch (group-major order)
+    behaviour_logprobs: torch.Tensor  # [T] fp32, 0 off the mask
+    advantages: torch.Tensor  # [T] fp32, 0 off the mask
+    versions: torch.Tensor  # [T] int64 policy version that sampled the target, -1 off the mask
+    routing: torch.Tensor | None  # [T, L] uint8 recorded expert ids (255 = no record), None = native
+    num_sequences: int  # N (0 for the dummy)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.num_sequences == 0
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """This rank's share of a batch: microbatches as lists of batch indices (empty = dummy)."""
+
+    microbatches: list[list[int]]
+    plan: PackingPlan
+    lengths: list[int]  # [N_seq] input tokens per sequence (0 = not packed)
+
+
+def input_length(prompt_len: int, response_len: int) -> int:
+    """Tokens a sequence occupies in a microbatch (0 when it has no loss token)."""
+    if prompt_len < 1:
+        raise ValueError("every sequence needs at least one prompt token (the first response token is "
+                         "predicted from it)")
+    return prompt_len + response_len - 1 if response_len > 0 else 0
+
+
+def plan_rank(lengths: Sequence[int], rank: int, world_size: int, token_budget: int) -> RankPlan:
+    """Pack the sequences with a non-zero length; return `rank`'s microbatches as batch indices."""
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > token_budget]
+    if too_long:  # reported here with batch indices (the plan sees only the packed subset)
+        raise ValueError(f"sequences (batch index, input tokens) longer than the token budget {token_budget}: "
+                         f"{too_long[:5]}; raise the trainer token_budget to at least max_prompt_tokens + "
+                         "max_response_tokens")
+    packed = [i for i, n in enumerate(lengths) if n > 0]
+    plan = plan_microbatches([lengths[i] for i in packed], world_size, token_budget)
+    mine = [[packed[j] for j in mb] for mb in plan.microbatches[rank]]
+    return RankPlan(microbatches=mine, plan=plan, lengths=list(lengths))
+
+
+def _sequence(prompt_ids: np.ndarray, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    full = np.concatenate([np.asarray(prompt_ids, dtype=np.int64), np.asarray(token_ids, dtype=np.int64)])
+    return full[:-1], full[1:]
+
+
+def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, indices: Sequence[int], *,
+                  num_layers: int, replay: bool, device: torch.device) -> Microbatch:
+    """The microbatch of batch sequences `indices` (in that order). `advantages`: [N_seq] per rollout."""
+    if not indices:
+        return dummy_microbatch(device, num_layers=num_layers if replay else None)
+    ids, tgts, mask, seq, beh, adv, ver, routes, bounds = [], [], [], [], [], [], [], [], [0]
+    for i in indices:
+        r = rollouts[i]
+        p, n = len(r.prompt_ids), len(r.token_ids)
+        length = input_length(p, n)
+        if length == 0:
+            raise ValueError(f"sequence {i} has an empty response and cannot be packed")
+        inputs, targets = _sequence(r.prompt_ids, r.token_ids)
+        ids.append(inputs)
+        tgts.append(targets)
+        m = np.zeros(length, dtype=bool)
+        m[p - 1:] = True
+        mask.append(m)
+        seq.append(np.full(length, i, dtype=np.int64))
+        b = np.zeros(length, dtype=np.float32)
+        b[p - 1:] = r.logprobs
+        beh.append(b)
+        a = np.zeros(length, dtype=np.float32)
+        a[p - 1:] = advantages[i]
+        adv.append(a)
+        v = np.full(length, -1, dtype=np.int64)
+        v[p - 1:] = r.token_versions()
+        ver.append(v)
+        if replay:
+            routes.append(_routing_rows(r, length, num_layers, i))
+        bounds.append(bounds[-1] + length)
+
+    def cat(parts, dtype):
+        return torch.from_numpy(np.concatenate(parts)).to(device=device, dtype=dtype)
+
+    return Microbatch(
+        input_ids=cat(ids, torch.int64), targets=cat(tgts, torch.int64),
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int64, device=device),
+        loss_mask=cat(mask, torch.bool), seq_idx=cat(seq, torch.int64),
+        behaviour_logprobs=cat(beh, torch.float32), advantages=cat(adv, torch.float32),
+        versions=cat(ver, torch.int64),
+        routing=cat(routes, torch.uint8) if replay else None,
+        num_sequences=len(indices))
+
+
+def _routing_rows(rollout: Rollout, length: int, num_layers: int, index: int) -> np.ndarray:
+    """[length, L] uint8 recorded ids of the input tokens; all 255 when the rollout has no record."""
+    if rollout.routing is None:
+        return np.full((length, num_layers), REPLAY_SENTINEL, dtype=np.uint8)
+    if rollout.routing.ndim != 2 or rollout.routing.shape[1] != num_layers:
+        raise ValueError(f"rollout {index}: routing has shape {rollout.routing.shape}, the model has "
+                         f"{num_layers} MoE layers")
+    return np.asarray(rollout.routing[:length], dtype=np.uint8)
+
+
+def pack_sft(examples: Sequence[SFTExample], indices: Sequence[int], *, device: torch.device) -> Microbatch:
+    """The microbatch of SFT examples `indices`: native routing, advantage 1, no behaviour logprobs."""
+    if not indices:
+        return dummy_microbatch(device)
+    ids, tgts, mask, seq, bounds = [], [], [], [], [0]
+    for i in indices:
+        ex = examples[i]
+        p, n = len(ex.prompt_ids), len(ex.token_ids)
+        length = input_length(p, n)
+        if length == 0:
+            raise ValueError(f"SFT example {i} has no target tokens and cannot be packed")
+        inputs, targets = _sequence(ex.prompt_ids, ex.token_ids)
+        ids.append(inputs)
+        tgts.append(targets)
+        m = np.zeros(length, dtype=bool)
+        m[p - 1:] = True
+        mask.append(m)
+        seq.append(np.full(length, i, dtype=np.int64))
+        bounds.append(bounds[-1] + length)
+    total = bounds[-1]
+
+    def cat(parts):
+        return torch.from_numpy(np.concatenate(parts)).to(device)
+
+    mask_t = cat(mask)
+    return Microbatch(
+        input_ids=cat(ids), targets=cat(tgts), cu_seqlens=torch.tensor(bounds, dtype=torch.int64, device=device),
+        loss_mask=mask_t, seq_idx=cat(seq),
+        behaviour_logprobs=torch.zeros(total, device=device), advantages=mask_t.float(),
+        versions=torch.full((total,), -1, dtype=torch.int64, device=device), routing=None,
+        num_sequences=len(indices))
+
+
+def dummy_microbatch(device: torch.device, num_layers: int | None = None) -> Microbatch:
+    """One token, no target and no loss: a rank with nothing to compute still runs the collectives."""
+    one = torch.ones(1, dtype=torch.int64, device=device)
+    return Microbatch(
+        input_ids=torch.zeros(1, dtype=torch.int64, device=device), targets=-one,
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int64, device=device),
+        loss_mask=torch.zeros(1, dtype=torch.bool, device=device), seq_idx=-one,
+        behaviour_logprobs=torch.zeros(1, device=device), advantages=torch.zeros(1, device=device),
+        versions=-one,
+        routing=(None if num_layers is None else
+                 torch.full((1, num_layers), REPLAY_SENTINEL, dtype=torch.uint8, device=device)),
+        num_sequences=0)

@@ -1,0 +1,121 @@
+"""Process group, device mesh and FSDP2 sharding of the MoE++ policy for one trainer rank.
+
+Responsibility: join the trainer pool's torch.distributed group from the rendezvous the controller
+hands out (gloo on CPU, NCCL on GPU), build a 1-D (FSDP) or 2-D (HSDP: replicate x shard) device
+mesh, and apply `fully_shard` per decoder layer and to the root (the model itself holds no
+distributed code, DESIGN.md style rule 4).
+
+Invariants:
+- Gradient reduction SUMS over data-parallel ranks (no division by the world size): every loss term
+  the trainer back-propagates is already normalised by GLOBAL counts (ALGORITHMS.md §4), so the sum
+  over microbatches and ranks is the global-batch gradient itself. The default FSDP2 average would
+  shrink it by the data-parallel size.
+- Parameters that get no gradient on a rank (an expert no local token was routed to, a layer where
+  every token took the skip class) are reduce-scattered as zeros, so every rank joins the same
+  collectives whatever its tokens routed to.
+- Mixed precision: parameters are kept (sharded) in fp32 and all-gathered in `param_dtype`;
+  gradients are reduced in fp32; forward inputs are not cast (the residual stream entering each
+  layer stays fp32, zrl/moepp/README.md "FP32 op set").
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and as whom a trainer rank joins the pool's process group (chosen by the controller)."""
+
+    master_addr: str
+    master_port: int
+    rank: int
+    world_size: int
+    backend: str | None = None  # None: "nccl" when CUDA is available, else "gloo"
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank {self.rank}, world_size {self.world_size}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in (0, 65536), got {self.master_port}")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}")
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend is not None:
+            return self.backend
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(rendezvous: Rendezvous) -> bool:
+    """Join the default process group; returns True if this call created it (and so should destroy it).
+
+    An already initialised group is reused when its rank and size match the rendezvous (several
+    workers built one after another in one process, e.g. in tests).
+    """
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rendezvous.rank, rendezvous.world_size):
+            raise RuntimeError(f"a process group (rank {dist.get_rank()} of {dist.get_world_size()}) already "
+                               f"exists; the rendezvous asks for rank {rendezvous.rank} of {rendezvous.world_size}")
+        return False
+    backend = rendezvous.resolved_backend
+    if backend == "nccl":
+        torch.cuda.set_device(torch.cuda.current_device())
+    dist.init_process_group(
+        backend, init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
+        rank=rendezvous.rank, world_size=rendezvous.world_size,
+        timeout=datetime.timedelta(seconds=rendezvous.timeout_s))
+    logger.info("joined %s process group as rank %d of %d", backend, rendezvous.rank, rendezvous.world_size)
+    return True
+
+
+def device_of_backend(backend: str) -> torch.device:
+    """The device this rank computes on: its current CUDA device under NCCL, the CPU under gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def build_mesh(device_type: str, world_size: int, hsdp_replicas: int = 1) -> DeviceMesh:
+    """1-D mesh ("shard",) for FSDP, or 2-D ("replicate", "shard") for HSDP across `hsdp_replicas` groups.
+
+    HSDP shards each parameter within a group of world_size / hsdp_replicas ranks (e.g. one node) and
+    replicates across groups, so all-gathers stay inside a node and only the gradient all-reduce
+    crosses nodes.
+    """
+    if hsdp_replicas < 1 or world_size % hsdp_replicas:
+        raise ValueError(f"hsdp_replicas ({hsdp_replicas}) must divide world_size ({world_size})")
+    if hsdp_replicas == 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (hsdp_replicas, world_size // hsdp_replicas),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype) -> None:
+    """`fully_shard` every decoder layer, then the root (embedding, final norm, tied LM head).
+
+    `token_logprobs` is registered as a forward method so the root's parameters are gathered when the
+    trainer calls it instead of `forward` (not `hidden_states`: both call it, and the root's hooks must
+    run once per pass).
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    register_fsdp_forward_method(model, "token_logprobs")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Sum, not average, over ranks (see the module docstring); pure SUM also works on gloo.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    model.set_reduce_scatter_unused_params(True)

@@ -1,0 +1,98 @@
+"""Full-weight export of the sharded policy: versioned buckets for weight sync, and HF `zaya` files.
+
+`iter_weight_buckets` walks the model's parameters (tied embedding once) and buffers in module order,
+all-gathers ONE parameter at a time (`DTensor.full_tensor`), casts it to the engine dtype and yields
+buckets of about `bucket_bytes`; a rank therefore never holds more than one bucket plus one gathered
+parameter beyond its shards. All ranks must iterate to the end together (each gather is a collective);
+ranks that do not send weights simply drop the buckets.
+
+Names are Hugging Face checkpoint keys (`model.<name>`, zrl.moepp.checkpoint), which the rollout
+engine's loader reads. Parameters are cast to `dtype`; buffers (the fp32 balancing biases) keep
+their dtype, as in the HF export (zrl/moepp/README.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from zrl.moepp import save_hf_checkpoint
+from zrl.moepp.checkpoint import from_hf_name, to_hf_name
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+# Files besides the weights that make an exported directory loadable by tokenizer and engine.
+_COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "generation_config.json")
+
+
+@dataclass(frozen=True)
+class WeightBucket:
+    """One slice of the policy's weights for the rollout engines, stamped with the policy version."""
+
+    version: int  # optimizer steps applied to these weights
+    index: int  # 0, 1, ... within one export
+    tensors: tuple[tuple[str, torch.Tensor], ...]  # (HF key, full tensor) on the trainer's device
+    last: bool  # no bucket follows in this export
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, is_parameter) for every parameter (shared ones once) and persistent buffer."""
+    yield from ((name, p, True) for name, p in model.named_parameters())
+    persistent = model.state_dict(keep_vars=True).keys()
+    yield from ((name, b, False) for name, b in model.named_buffers() if name in persistent)
+
+
+@torch.no_grad()
+def iter_weight_buckets(model: nn.Module, *, version: int, dtype: torch.dtype | None = torch.bfloat16,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
+    """Yield the full weights in HF key names, bucketed; collective (every rank iterates to the end)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    pending: list[tuple[str, torch.Tensor]] = []
+    size, index = 0, 0
+    for name, tensor, is_param in _named_tensors(model):
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        if is_param and dtype is not None and full.is_floating_point():
+            full = full.to(dtype)
+        nbytes = full.numel() * full.element_size()
+        if pending and size + nbytes > bucket_bytes:
+            yield WeightBucket(version=version, index=index, tensors=tuple(pending), last=False)
+            pending, size, index = [], 0, index + 1
+        pending.append((to_hf_name(name), full))
+        size += nbytes
+    yield WeightBucket(version=version, index=index, tensors=tuple(pending), last=True)
+
+
+def export_hf_checkpoint(model: nn.Module, path: str | Path, *, version: int, dtype: torch.dtype | None,
+                         companion_dir: str | Path | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    """Collective: rank 0 writes config.json + safetensors (+ tokenizer files from `companion_dir`)."""
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    state: dict[str, torch.Tensor] = {}
+    for bucket in iter_weight_buckets(model, version=version, dtype=dtype, bucket_bytes=bucket_bytes):
+        if is_writer:
+            state.update((from_hf_name(k), t.cpu()) for k, t in bucket.tensors)
+    if is_writer:
+        path = Path(path)
+        save_hf_checkpoint(state, path, config=model.config, dtype=dtype)
+        if companion_dir is not None:
+            for name in _COMPANION_FILES:
+                src = Path(companion_dir) / name
+                if src.exists():
+                    shutil.copy2(src, path / name)
+        logger.info("exported policy version %d to %s", version, path)
+    if dist.is_initialized():
+        dist.barrier()

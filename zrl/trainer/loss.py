@@ -1,0 +1,192 @@
+"""One microbatch's share of the RL (or SFT) objective, and the statistics the step reports.
+
+RL (ALGORITHMS.md §3-4, seeds/003 §IV-B1): the trainer recomputes log p of every response token with
+the recorded experts (router replay), applies the recipe's trust region against the behaviour
+logprob log q, and aggregates with the recipe's mode normalised by GLOBAL counts (N_seq, N_tok of the
+whole TrainBatch, T_norm = max_response_tokens). Each microbatch returns its share; the sum over
+microbatches and ranks (gradient accumulation plus FSDP2 SUM reduction) is the global objective.
+
+SFT: masked next-token NLL on response tokens, token mean over the global batch:
+  L = -(1/N_tok) Σ_{response tokens} log p.
+
+`StepStats` holds float64 sufficient statistics that add over microbatches (SUM) or combine by MAX,
+so two all-reduces per step make every rank's metrics those of the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zrl.algorithms import TrustRegionStats, aggregate_loss, policy_loss
+from zrl.canaries import MismatchStats, mismatch_sums
+from zrl.canaries.mismatch import NUM_SUMS
+from zrl.moepp import routing_stats
+from zrl.trainer.batch import Microbatch
+
+_MISMATCH_MAX = NUM_SUMS - 1  # the max |p - q| entry of a mismatch sums vector
+
+
+@dataclass(frozen=True)
+class RLObjective:
+    """What the recipe fixes about the RL loss (from `Algorithm` and `Sampling`)."""
+
+    trust_region: str  # zrl.algorithms.TRUST_REGION_NAMES
+    trust_region_params: dict  # keyword options of that trust region (delta, is_cap, clip_low, ...)
+    aggregation: str  # zrl.algorithms.AGGREGATION_NAMES
+    max_response_tokens: int  # T_norm of seq_mean_token_sum_norm
+
+
+@dataclass
+class MicrobatchOutput:
+    loss: torch.Tensor  # [] with grad: this microbatch's share of the global loss
+    logprobs: torch.Tensor  # [T] detached trainer log p of the targets
+
+
+def forward_logprobs(model, mb: Microbatch, *, with_entropy: bool, chunk_tokens: int | None = None):
+    """log p of every target of the packed stream with router replay; returns moepp's TokenLogprobs."""
+    return model.token_logprobs(mb.input_ids, mb.targets, cu_seqlens=mb.cu_seqlens, routing_replay=mb.routing,
+                                with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+
+
+def rl_microbatch_loss(model, mb: Microbatch, objective: RLObjective, *, global_num_seqs: int,
+                       global_num_tokens: int, trainer_step: int, stats: StepStats | None = None,
+                       with_entropy: bool = True, chunk_tokens: int | None = None) -> MicrobatchOutput:
+    """Forward one microbatch and return its loss term; adds its statistics to `stats` (not the dummy's)."""
+    out = forward_logprobs(model, mb, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+    pl = policy_loss(objective.trust_region, out.logprobs, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
+                     **objective.trust_region_params)
+    loss = aggregate_loss(objective.aggregation, pl.token_loss, mb.loss_mask, mb.seq_idx,
+                          global_num_seqs=global_num_seqs, global_num_tokens=global_num_tokens,
+                          max_response_tokens=objective.max_response_tokens)
+    if stats is not None and not mb.is_dummy:
+        stats.add_rl(mb, out, pl.stats, loss, trainer_step)
+    return MicrobatchOutput(loss=loss, logprobs=out.logprobs.detach())
+
+
+def sft_microbatch_loss(model, mb: Microbatch, *, global_num_tokens: int, stats: StepStats | None = None,
+                        with_entropy: bool = False, chunk_tokens: int | None = None) -> MicrobatchOutput:
+    """Masked NLL of the response tokens over the global token count."""
+    out = forward_logprobs(model, mb, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+    nll = -out.logprobs
+    loss = aggregate_loss("token_mean", nll, mb.loss_mask, mb.seq_idx, global_num_seqs=0,
+                          global_num_tokens=global_num_tokens, max_response_tokens=1)
+    if stats is not None and not mb.is_dummy:
+        stats.add_common(mb, out, loss)
+    return MicrobatchOutput(loss=loss, logprobs=out.logprobs.detach())
+
+
+class StepStats:
+    """Per-step accumulators; `all_reduce` then `metrics` give the global batch's values.
+
+    Every key exists from the start with its reduction's identity (0 for SUM, -inf for MAX), so all
+    ranks reduce vectors of the same layout even when a rank ran only dummy microbatches.
+    """
+
+    def __init__(self, kind: str, *, num_layers: int, num_classes: int, device: torch.device,
+                 with_entropy: bool, replay: bool) -> None:
+        if kind not in ("rl", "sft"):
+            raise ValueError(f"kind must be 'rl' or 'sft', got {kind!r}")
+        self.kind, self.num_layers, self.num_classes, self.device = kind, num_layers, num_classes, device
+        sizes = {"loss": 1, "tokens": 3, "logprob_sum": 1, "expert_counts": num_layers * num_classes}
+        if with_entropy:
+            sizes["entropy_sum"] = 1
+        if replay:
+            sizes["replay"] = 3
+        maxes = {}
+        if kind == "rl":
+            sizes.update(trust_region=8, mismatch=NUM_SUMS, mismatch_onpolicy=NUM_SUMS)
+            maxes.update(is_weight_extremes=2, mismatch_max=1, mismatch_onpolicy_max=1)
+        zeros = dict(dtype=torch.float64, device=device)
+        self.sums = {k: torch.zeros(n, **zeros) for k, n in sizes.items()}  # reduced with SUM
+        self.maxes = {k: torch.full((n,), -math.inf, **zeros) for k, n in maxes.items()}  # reduced with MAX
+
+    def _add(self, key: str, value: torch.Tensor) -> None:
+        self.sums[key] += value.detach().to(device=self.device, dtype=torch.float64).reshape(-1)
+
+    def _max(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().to(device=self.device, dtype=torch.float64).reshape(-1)
+        self.maxes[key] = torch.maximum(self.maxes[key], value)
+
+    def add_common(self, mb: Microbatch, out, loss: torch.Tensor) -> None:
+        mask = mb.loss_mask
+        routing = out.routing
+        self._add("loss", loss)
+        self._add("tokens", torch.tensor([mb.num_tokens, int(mask.sum()), mb.num_sequences]))
+        self._add("logprob_sum", torch.where(mask, out.logprobs.detach(), 0.0).sum())
+        if "entropy_sum" in self.sums:
+            self._add("entropy_sum", torch.where(mask, out.entropy.detach(), 0.0).sum())
+        self._add("expert_counts", routing.expert_counts)  # [L, E + 1] flattened
+        if "replay" in self.sums and routing.replay_disagree is not None:
+            self._add("replay", torch.stack([routing.replay_disagree.sum(), routing.replay_recorded.sum(),
+                                             routing.replay_missing.sum()]))
+
+    def add_rl(self, mb: Microbatch, out, tr_stats: TrustRegionStats, loss: torch.Tensor, trainer_step: int) -> None:
+        self.add_common(mb, out, loss)
+        self._add("trust_region", tr_stats.sums)
+        # max of the IS weight and max of its negation (= -min), so one MAX all-reduce serves both
+        self._max("is_weight_extremes", torch.stack([tr_stats.max_is_weight, -tr_stats.min_is_weight]))
+        onpolicy = mb.loss_mask & (mb.versions == trainer_step)  # sampled by the weights being trained
+        for key, mask in (("mismatch", mb.loss_mask), ("mismatch_onpolicy", onpolicy)):
+            sums = mismatch_sums(out.logprobs, mb.behaviour_logprobs, mask)
+            self._max(key + "_max", sums[_MISMATCH_MAX:])
+            sums = sums.clone()
+            sums[_MISMATCH_MAX] = 0.0
+            self._add(key, sums)
+
+    def all_reduce(self, group=None) -> None:
+        """Sum (and max) every accumulator over the ranks of `group` (one collective each kind)."""
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return
+        for store, op in ((self.sums, dist.ReduceOp.SUM), (self.maxes, dist.ReduceOp.MAX)):
+            keys = sorted(store)  # same keys and sizes on every rank (see the class docstring)
+            if not keys:
+                continue
+            flat = torch.cat([store[k] for k in keys])
+            dist.all_reduce(flat, op=op, group=group)
+            offset = 0
+            for k in keys:
+                n = store[k].numel()
+                store[k] = flat[offset:offset + n]
+                offset += n
+
+    def expert_counts(self) -> torch.Tensor:
+        """[L, E + 1] int64 tokens per chosen class over the accumulated microbatches."""
+        return self.sums["expert_counts"].reshape(self.num_layers, self.num_classes).round().long()
+
+    def metrics(self) -> dict[str, float]:
+        """Flat `panel/name` metrics of the accumulated (and, after `all_reduce`, global) microbatches."""
+        s = self.sums
+        tokens, loss_tokens, seqs = s["tokens"].tolist()
+        out = {"loss/policy" if self.kind == "rl" else "loss/sft": float(s["loss"]),
+               "batch/input_tokens": tokens, "batch/loss_tokens": loss_tokens, "batch/packed_sequences": seqs,
+               "policy/logprob_mean": _div(s["logprob_sum"], loss_tokens)}
+        if "entropy_sum" in s:
+            out["policy/entropy_mean"] = _div(s["entropy_sum"], loss_tokens)
+        if self.kind == "rl":
+            high, neg_low = self.maxes["is_weight_extremes"].tolist()
+            tr = TrustRegionStats(sums=s["trust_region"].cpu(), max_is_weight=torch.tensor(high),
+                                  min_is_weight=torch.tensor(-neg_low))
+            out.update({f"trust_region/{k}": v for k, v in tr.as_metrics().items()})
+            for key, prefix in (("mismatch", "mismatch/"), ("mismatch_onpolicy", "mismatch/onpolicy_")):
+                sums = s[key].clone()
+                sums[_MISMATCH_MAX] = self.maxes[key + "_max"][0]
+                out.update({prefix + k: v for k, v in MismatchStats.from_sums(sums.cpu()).as_metrics().items()})
+        if "replay" in s:
+            disagree, recorded, missing = s["replay"].tolist()
+            out["routing/replay_disagree_frac"] = disagree / recorded if recorded else math.nan
+            out["routing/replay_missing_frac"] = missing / (missing + recorded) if missing + recorded else math.nan
+        counts = self.expert_counts()
+        if counts.sum() > 0:
+            rs = routing_stats(counts)
+            out["routing/load_entropy_mean"] = float(rs.load_entropy.mean())
+            out["routing/load_max"] = float(rs.load.max())
+            out["routing/skip_frac_mean"] = float(rs.skip_fraction.mean())
+        return out
+
+
+def _div(num: torch.Tensor | None, den: float) -> float:
+    return float(num) / den if num is not None and den > 0 else math.nan

@@ -1,0 +1,71 @@
+"""What a trainer rank needs to know about its stage: objective, optimizer, memory and sharding knobs.
+
+`TrainerSettings.from_stage` maps a recipe stage (zrl.config) onto it; the remaining fields are
+deployment choices (token budget, precision, activation checkpointing/offload, HSDP replicas) that the
+controller sets from the cluster it runs on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from zrl.config.schema import Algorithm, Optimizer, RLStage, SFTStage
+from zrl.optim import AdamWHyperparams, MuonHyperparams
+from zrl.trainer.loss import RLObjective
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    optimizer: Optimizer = field(default_factory=Optimizer)  # recipe spec: Muon + AdamW, schedule, clipping
+    algorithm: Algorithm = field(default_factory=Algorithm)  # trust region, aggregation, replay, bias update
+    max_response_tokens: int = 81920  # T_norm of the Dr-GRPO aggregation (the stage's generation cap)
+    total_steps: int | None = None  # the stage's optimizer steps (needed by the cosine schedule)
+    token_budget: int = 131072  # tokens per rank per microbatch (seeds/003 §IV-C)
+    param_dtype: str = "bfloat16"  # compute dtype of the gathered parameters; masters and reduction fp32
+    activation_checkpointing: bool = True  # recompute each decoder layer in backward
+    activation_offload: bool = False  # keep saved layer inputs in host memory (accelerators only)
+    hsdp_replicas: int = 1  # > 1: 2-D mesh, shard within world_size / hsdp_replicas ranks, replicate across
+    muon_mode: str = "layer_sharded"  # zrl.optim distributed_mode ("replicated" = baseline)
+    bias_balancer_lr: float = 1e-3  # AdamW lr of the router balancing biases (when bias update is on)
+    with_entropy: bool = True  # compute the policy entropy of response tokens for metrics
+    logprob_chunk_tokens: int | None = None  # LM-head chunk (None: zrl.moepp default)
+
+    def __post_init__(self) -> None:
+        if self.param_dtype not in _DTYPES:
+            raise ValueError(f"param_dtype must be one of {sorted(_DTYPES)}, got {self.param_dtype!r}")
+        if self.token_budget < 2 or self.max_response_tokens < 1 or self.hsdp_replicas < 1:
+            raise ValueError("token_budget must be >= 2, max_response_tokens and hsdp_replicas >= 1")
+
+    @classmethod
+    def from_stage(cls, stage: RLStage | SFTStage, **deployment) -> TrainerSettings:
+        """Settings of a recipe stage; `deployment` sets the non-recipe fields (token_budget, ...)."""
+        if isinstance(stage, RLStage):
+            return cls(optimizer=stage.optimizer, algorithm=stage.algorithm,
+                       max_response_tokens=stage.sampling.max_response_tokens, total_steps=stage.steps, **deployment)
+        return cls(optimizer=stage.optimizer, total_steps=stage.steps, **deployment)
+
+    @property
+    def torch_param_dtype(self) -> torch.dtype:
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def replay(self) -> bool:
+        return self.algorithm.router_replay
+
+    def objective(self) -> RLObjective:
+        tr = self.algorithm.trust_region.model_dump()
+        return RLObjective(trust_region=tr.pop("type"), trust_region_params=tr,
+                           aggregation=self.algorithm.loss_aggregation, max_response_tokens=self.max_response_tokens)
+
+    def muon_hyperparams(self) -> MuonHyperparams:
+        m = self.optimizer.muon
+        return MuonHyperparams(lr=m.lr, weight_decay=m.weight_decay, momentum=m.momentum, nesterov=m.nesterov)
+
+    def adamw_hyperparams(self) -> AdamWHyperparams:
+        a = self.optimizer.adamw
+        return AdamWHyperparams(lr=a.lr if a.lr is not None else self.optimizer.muon.lr, betas=tuple(a.betas),
+                                eps=a.eps, weight_decay=a.weight_decay)

@@ -1,0 +1,253 @@
+"""TrainerWorker: one FSDP2 rank of the trainer pool, as a plain class (a Ray actor hosts it; style rule 1).
+
+One `train_step(batch)`:
+  1. every rank computes the same packing plan from the same TrainBatch and builds its own
+     microbatches (token budget per rank; equal microbatch counts on all ranks; a rank with nothing
+     left runs a 1-token no-loss microbatch so the FSDP2 collectives still match);
+  2. per microbatch: forward with router replay -> trust-region loss over GLOBAL counts -> backward
+     (gradients accumulate; FSDP2 reduce-scatters with SUM, see distributed.py);
+  3. AdamW-only clipping, Muon + AdamW step, LR schedule, optional router-bias balancing on the
+     all-reduced global expert counts;
+  4. two all-reduces turn the per-rank statistics into the global batch's metrics.
+`version` = optimizer steps applied; a TrainBatch must say it was pulled at this version.
+
+Everything collective (steps, checkpoints, exports) must be called on every rank in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from zrl.moepp import BiasBalancer, MoEPPConfig, MoEPPForCausalLM, load_hf_checkpoint, optimizer_param_groups
+from zrl.optim import MuonAdamW, lr_scheduler
+from zrl.trainer import checkpoint as ckpt
+from zrl.trainer.activations import OffloadSavedTensors
+from zrl.trainer.batch import SFTExample, input_length, pack_rollouts, pack_sft, plan_rank
+from zrl.trainer.distributed import Rendezvous, build_mesh, device_of_backend, init_process_group, shard_model
+from zrl.trainer.export import DEFAULT_BUCKET_BYTES, WeightBucket, export_hf_checkpoint, iter_weight_buckets
+from zrl.trainer.loss import StepStats, rl_microbatch_loss, sft_microbatch_loss
+from zrl.trainer.settings import TrainerSettings
+from zrl.types import TrainBatch
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerWorker:
+    def __init__(self, rendezvous: Rendezvous, model_path: str | Path, settings: TrainerSettings) -> None:
+        self.rendezvous = rendezvous
+        self.rank, self.world_size = rendezvous.rank, rendezvous.world_size
+        self.model_path = Path(model_path)
+        self.settings = settings
+        self._owns_group = init_process_group(rendezvous)
+        backend = dist.get_backend()
+        self.device = device_of_backend(backend)
+        self.mesh = build_mesh(self.device.type, self.world_size, settings.hsdp_replicas)
+        self.model = self._build_model()
+        self.version = 0
+        self._build_optimizer()
+        if settings.activation_offload and self.device.type == "cpu":
+            logger.info("activation offload requested on CPU: nothing to offload to, running without it")
+
+    # ------------------------------------------------------------------ set-up
+
+    def _build_model(self) -> MoEPPForCausalLM:
+        """Build on the meta device, shard, then load the checkpoint: rank 0 reads it and broadcasts."""
+        config = MoEPPConfig.from_pretrained_dir(self.model_path)
+        with torch.device("meta"):
+            model = MoEPPForCausalLM(config)
+        model.set_activation_checkpointing(self.settings.activation_checkpointing)
+        shard_model(model, self.mesh, self.settings.torch_param_dtype)
+        model.to_empty(device=self.device)
+        full = load_hf_checkpoint(self.model_path, dtype=torch.float32).state_dict() if self.rank == 0 else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        return model
+
+    def _build_optimizer(self) -> None:
+        s = self.settings
+        groups = optimizer_param_groups(self.model)
+        self.optimizer = MuonAdamW(
+            [{"params": list(groups["muon"].values()), "optimizer": "muon", "name": "hidden_matrices"},
+             {"params": list(groups["adamw"].values()), "optimizer": "adamw", "name": "embed_norm_conv"}],
+            muon=s.muon_hyperparams(), adamw=s.adamw_hyperparams(), distributed_mode=s.muon_mode)
+        self.scheduler = lr_scheduler(self.optimizer, warmup_steps=s.optimizer.warmup_steps,
+                                      schedule=s.optimizer.schedule, total_steps=s.total_steps)
+        self.bias_balancer = (BiasBalancer.for_model(self.model, lr=s.bias_balancer_lr)
+                              if s.algorithm.router_bias_update else None)
+
+    def start_stage(self, settings: TrainerSettings, *, keep_optimizer_state: bool = False) -> None:
+        """Next cascade stage on the same policy: new objective, optimizer hyperparameters and schedule.
+
+        `keep_optimizer_state` carries the AdamW moments over (recipe `inherit.optimizer_state`).
+        Sharding and memory settings cannot change without rebuilding the worker.
+        """
+        fixed = ("param_dtype", "hsdp_replicas", "activation_checkpointing")
+        changed = [f for f in fixed if getattr(settings, f) != getattr(self.settings, f)]
+        if changed:
+            raise ValueError(f"{changed} cannot change between stages of one TrainerWorker")
+        moments = self.optimizer.state_dict()["state"] if keep_optimizer_state else None
+        self.settings = settings
+        self._build_optimizer()
+        if moments:
+            sd = self.optimizer.state_dict()
+            self.optimizer.load_state_dict({"state": moments, "param_groups": sd["param_groups"]})
+
+    # ------------------------------------------------------------------ steps
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL optimizer step on the global batch (every rank passes the same TrainBatch)."""
+        if batch.trainer_step != self.version:
+            raise ValueError(f"batch was pulled at trainer step {batch.trainer_step}, the policy is at {self.version}")
+        s = self.settings
+        rollouts, advantages = batch.rollouts(), batch.advantages()
+        lengths = [input_length(len(r.prompt_ids), len(r.token_ids)) for r in rollouts]
+        num_layers = self.model.config.num_hidden_layers
+        objective = s.objective()
+
+        def build(indices):
+            return pack_rollouts(rollouts, advantages, indices, num_layers=num_layers, replay=s.replay,
+                                 device=self.device)
+
+        def loss_fn(mb, stats):
+            return rl_microbatch_loss(self.model, mb, objective, global_num_seqs=batch.num_sequences,
+                                      global_num_tokens=batch.num_response_tokens, trainer_step=self.version,
+                                      stats=stats, with_entropy=s.with_entropy, chunk_tokens=s.logprob_chunk_tokens)
+
+        metrics = self._step("rl", lengths, build, loss_fn)
+        metrics.update({"batch/num_sequences": float(batch.num_sequences),
+                        "batch/num_response_tokens": float(batch.num_response_tokens),
+                        "batch/max_staleness": float(batch.max_staleness),
+                        "batch/mean_staleness": float(np.mean(batch.staleness)),
+                        "batch/advantage_abs_mean": float(np.mean(np.abs(advantages)))})
+        return metrics
+
+    def sft_step(self, examples: Sequence[SFTExample]) -> dict[str, float]:
+        """One supervised step: token-mean NLL of the response tokens over all ranks' examples."""
+        if not examples:
+            raise ValueError("sft_step needs at least one example")
+        lengths = [input_length(len(e.prompt_ids), len(e.token_ids)) for e in examples]
+        num_tokens = sum(len(e.token_ids) for e in examples)
+
+        def build(indices):
+            return pack_sft(examples, indices, device=self.device)
+
+        def loss_fn(mb, stats):
+            return sft_microbatch_loss(self.model, mb, global_num_tokens=num_tokens, stats=stats,
+                                       with_entropy=self.settings.with_entropy,
+                                       chunk_tokens=self.settings.logprob_chunk_tokens)
+
+        metrics = self._step("sft", lengths, build, loss_fn)
+        metrics.update({"batch/num_sequences": float(len(examples)), "batch/num_response_tokens": float(num_tokens)})
+        return metrics
+
+    def _step(self, kind: str, lengths: list[int], build, loss_fn) -> dict[str, float]:
+        s = self.settings
+        start = time.perf_counter()
+        self._reset_peak_memory()
+        share = plan_rank(lengths, self.rank, self.world_size, s.token_budget)
+        config = self.model.config
+        stats = StepStats(kind, num_layers=config.num_hidden_layers, num_classes=config.num_router_classes,
+                          device=self.device, with_entropy=s.with_entropy, replay=kind == "rl" and s.replay)
+        offload = OffloadSavedTensors() if s.activation_offload and self.device.type != "cpu" else None
+        forward_s = backward_s = 0.0
+        self.model.train()
+        for indices in share.microbatches:
+            mb = build(indices)
+            t0 = self._now()
+            with offload if offload is not None else nullcontext():
+                out = loss_fn(mb, stats)
+                t1 = self._now()
+                # The dummy's loss is 0 with a zero gradient; its backward only drives the collectives.
+                out.loss.backward()
+            forward_s += t1 - t0
+            backward_s += self._now() - t1
+        t0 = self._now()
+        norms = self.optimizer.clip_grad_norm_(s.optimizer.grad_clip_norm)
+        lrs = {g["optimizer"]: g["lr"] for g in self.optimizer.param_groups}
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        optimizer_s = self._now() - t0
+        step_s = time.perf_counter() - start
+        stats.maxes["perf"] = torch.tensor([step_s, forward_s, backward_s, optimizer_s, self._peak_memory_bytes()],
+                                           dtype=torch.float64, device=self.device)
+        stats.all_reduce()
+        bias_error = None
+        if self.bias_balancer is not None:
+            bias_error = self.bias_balancer.step(stats.expert_counts())
+        self.version += 1
+
+        metrics = stats.metrics()
+        step_s, forward_s, backward_s, optimizer_s, peak = stats.maxes["perf"].tolist()
+        tokens = metrics["batch/input_tokens"]
+        metrics.update({f"packing/{k.split('/', 1)[1]}": v for k, v in share.plan.stats().items()})
+        metrics.update({
+            "grad/norm_muon": norms.muon, "grad/norm_adamw": norms.adamw, "grad/norm_total": norms.total,
+            "grad/adamw_clipped": float(norms.adamw_clipped),
+            "optim/lr_muon": float(lrs["muon"]), "optim/lr_adamw": float(lrs["adamw"]),
+            "optim/muon_ns_flops_local": float(self.optimizer.last_muon_stats.ns_flops),
+            "optim/version": float(self.version),
+            "perf/step_s": step_s, "perf/forward_s": forward_s, "perf/backward_s": backward_s,
+            "perf/optimizer_s": optimizer_s, "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            "perf/tokens_per_s_per_rank": tokens / step_s / self.world_size if step_s > 0 else 0.0,
+            "perf/microbatches": float(len(share.microbatches)),
+            "perf/peak_memory_gib": peak / 2**30,
+        })
+        if offload is not None:
+            metrics["perf/offloaded_gib_rank"] = offload.offloaded_bytes / 2**30
+        if bias_error is not None:
+            metrics["routing/bias_balance_error_abs_max"] = float(bias_error.abs().max())
+        return metrics
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # honest phase times: wait for queued kernels
+        return time.perf_counter()
+
+    def _reset_peak_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _peak_memory_bytes(self) -> float:
+        """GPU: max allocated this step. CPU: the process's peak resident set size (since start)."""
+        if self.device.type == "cuda":
+            return float(torch.cuda.max_memory_allocated(self.device))
+        return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0  # Linux reports KiB
+
+    # ------------------------------------------------------------------ checkpoints and export
+
+    def save_checkpoint(self, path: str | Path, data_state: dict[str, Any] | None = None) -> None:
+        ckpt.save_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                             bias_balancer=self.bias_balancer, step=self.version, data_state=data_state)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore a checkpoint (saved on any number of ranks); returns the caller's data_state."""
+        state = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                     bias_balancer=self.bias_balancer)
+        self.version = state.step
+        return state.data_state
+
+    def export_weights(self, dtype: torch.dtype | None = torch.bfloat16,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
+        """Full weights in HF names, bucketed, stamped with `version`; collective, iterate to the end."""
+        return iter_weight_buckets(self.model, version=self.version, dtype=dtype, bucket_bytes=bucket_bytes)
+
+    def export_hf(self, path: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> None:
+        """Write the policy as a HF `zaya` checkpoint (rank 0 writes, tokenizer files copied)."""
+        export_hf_checkpoint(self.model, path, version=self.version, dtype=dtype, companion_dir=self.model_path)
+
+    def shutdown(self) -> None:
+        """Release the process group if this worker created it."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
