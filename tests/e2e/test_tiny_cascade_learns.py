@@ -1,0 +1,63 @@
+"""The README's main job, end to end: `zrl run recipes/tiny-cpu.yaml` (SFT warm start, then RL) learns.
+
+Held-out accuracy (unseen words, the environment's eval split, 200 prompts x 4 samples at the
+training temperature, fixed seed) of the RL stage's final policy is compared with that of its starting
+policy (the SFT stage's export): same prompts, same sampling, only the weights differ.
+Measured on the 2-core CPU machine (2026-11-21): 0.33 -> 0.52 after 20 RL steps; the recipe runs 30.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+ZRL = str(Path(sys.executable).parent / "zrl")
+SERIES = ("reward/mean", "canary/lz77_flagged_fraction", "canary/rare_token_frac_top10%", "staleness/max",
+          "mismatch/kl_k3")
+
+
+def zrl(*args, timeout=1500):
+    result = subprocess.run([ZRL, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return result
+
+
+def held_out_accuracy(checkpoint: Path) -> float:
+    out = zrl("eval", str(checkpoint), "--env", "strings", "--options", "{tasks: copy}", "--num-prompts", "200",
+              "--samples", "4", "--temperature", "1.0", "--max-response-tokens", "24", "--seed", "7")
+    return json.loads(out.stdout.strip().splitlines()[-1])["accuracy"]
+
+
+@pytest.fixture(scope="module")
+def cascade(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tiny-cascade")
+    result = zrl("run", "recipes/tiny-cpu.yaml", "--set", f"output_dir={run_dir}",
+                 "--set", f"model.path={run_dir / 'model'}")
+    return run_dir, result.stderr
+
+
+def test_rl_stage_improves_held_out_accuracy(cascade):
+    run_dir, _ = cascade
+    before = held_out_accuracy(run_dir / "stages" / "sft_warm_start" / "hf")
+    after = held_out_accuracy(run_dir / "stages" / "copy_rl" / "hf")
+    print(f"held-out accuracy: SFT start {before:.3f} -> after RL {after:.3f}")
+    assert after >= before + 0.08, (before, after)
+
+
+def test_dashboards_hold_the_canary_series(cascade):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, log = cascade
+    assert "step 190/190" in log  # 160 SFT + 30 RL steps, one progress line each
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert set(SERIES) <= tags, set(SERIES) - tags
+    [wandb_file] = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    data = wandb_file.read_bytes()
+    missing = [name for name in SERIES if name.encode() not in data]
+    assert not missing, missing
