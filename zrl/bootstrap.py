@@ -1,7 +1,7 @@
 """One-command set-up for a fresh machine: create `.venv`, install zrl, then run the demo or the tests.
 
 Usage (from the repository root, with nothing but Python 3.11 installed):
-    python3 zrl/bootstrap.py run     # set up, then `zrl run recipes/tiny-cpu.yaml` (embedded Ray)
+    python3 zrl/bootstrap.py run     # set up, then `zrl run recipes/tiny-cpu.yaml` into runs/tiny-cpu-<time>
     python3 zrl/bootstrap.py test    # set up, then the test suite (what .ci/run calls)
     python3 zrl/bootstrap.py setup   # set up only
 
@@ -109,7 +109,9 @@ def main(argv: list[str]) -> int:
     if command == "setup":
         return 0
     if command == "run":
-        cmd = [str(VENV / "bin" / "zrl"), "run", "recipes/tiny-cpu.yaml", *rest]
+        # A fresh run directory per call: zrl refuses to overwrite a run (`zrl run --resume` continues one).
+        run_dir = f"runs/tiny-cpu-{time.strftime('%Y%m%d-%H%M%S')}"
+        cmd = [str(VENV / "bin" / "zrl"), "run", "recipes/tiny-cpu.yaml", "--set", f"output_dir={run_dir}", *rest]
     else:
         cmd = [str(venv_python()), "-m", "pytest", *rest]
     log("$ " + " ".join(cmd))

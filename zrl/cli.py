@@ -91,13 +91,16 @@ def cmd_init_tiny_model(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from zrl.run import run_recipe
+    from zrl.run import RunDirectoryError, run_recipe
 
     recipe = _load(args)
     problems = [f"{item}: {problem}" for item, problem in availability(recipe)]
     if problems:
         return _error(problems, EXIT_NOT_AVAILABLE)
-    return run_recipe(recipe, address=args.address)
+    try:
+        return run_recipe(recipe, address=args.address, resume=args.resume)
+    except RunDirectoryError as exc:
+        return _error([str(exc)])
 
 
 def cmd_eval(args) -> int:
@@ -128,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a cascade recipe (embedded Ray unless --address is given)")
     recipe_args(p)
     p.add_argument("--address", help="Ray cluster address (ray://host:10001, http://host:8265 or auto)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in output_dir from its latest checkpoint (same recipe; resources, "
+                        "metrics sinks and checkpoint intervals may change)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("validate", help="check a recipe and print it resolved with defaults")

@@ -5,18 +5,160 @@ assets exist (building the tiny CPU checkpoint when the recipe asks for it); con
 cluster named by `--address` (or the one `ray job submit` provides) or start an embedded one; and
 check that the cluster can host the recipe's rollout and trainer pools before anything is launched.
 Then it hands the recipe to the cascade controller (zrl/pipeline/controller.py).
+
+The run directory is never silently reused (`prepare_run_dir`): without `--resume`, a directory that
+holds checkpoints or metrics of an earlier run is an error. With `--resume` the recipe must equal the
+run's `recipe.resolved.yaml` except in RESUMABLE_FIELDS, the fields that say where the work runs and
+how it is recorded, not what is optimised: labels, output_dir (a moved run directory), resources
+(pool sizes and CPUs/GPUs: the trainer checkpoint reshards to any rank count; the token budget of a
+microbatch only changes the packing; activation checkpointing only recomputes), metrics sinks,
+`model.build_tiny_if_missing`, a stage's `checkpoint_every_steps` and `asynchrony.verifier_timeout_s`.
+
+`<output_dir>/driver.json` names the driver that uses the directory and the tag (ZRL_DRIVER_TAG) it put
+in its environment. A second driver on the same host is refused while that one is alive; after it
+died, what its embedded Ray left running is found by the tag and killed (see `_reap`).
 """
 
+import contextlib
+import fnmatch
 import json
 import logging
 import os
+import signal
+import socket
+import time
+import uuid
 from pathlib import Path
 
 import yaml
 
-from zrl.config import Recipe
+from zrl.config import Recipe, parse_recipe
 
 log = logging.getLogger("zrl")
+
+RESUMABLE_FIELDS = (
+    "name", "description", "output_dir", "resources.*", "metrics.*", "model.build_tiny_if_missing",
+    "stages.*.checkpoint_every_steps", "stages.*.asynchrony.verifier_timeout_s",
+)
+DRIVER_FILE = "driver.json"
+DRIVER_TAG = "ZRL_DRIVER_TAG"  # set in the driver's environment: every process it starts inherits it
+
+
+class RunDirectoryError(Exception):
+    """The run directory does not fit the request (an earlier run would be overwritten, nothing to
+    resume, a recipe that changes the optimisation, a driver already using it)."""
+
+
+def _flatten(value, prefix: str = "") -> dict[str, object]:
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return {prefix: value}
+    out = {}
+    for key, item in items:
+        out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def recipe_changes(saved: dict, new: dict) -> list[str]:
+    """Dotted paths (stages by index) whose values differ and that are not RESUMABLE_FIELDS."""
+    a, b = _flatten(saved), _flatten(new)
+    missing = object()
+    return sorted(p for p in set(a) | set(b) if a.get(p, missing) != b.get(p, missing)
+                  and not any(fnmatch.fnmatchcase(p, pattern) for pattern in RESUMABLE_FIELDS))
+
+
+def prepare_run_dir(recipe: Recipe, resume: bool):
+    """Check the run directory against the request, claim it, record the recipe.
+
+    Returns (the resume point or None, (driver file, driver tag) from `claim_run_dir`)."""
+    from zrl.pipeline.controller import latest_checkpoint
+
+    out = Path(recipe.output_dir)
+    point = latest_checkpoint(out)
+    resolved = out / "recipe.resolved.yaml"
+    if not resume:
+        if point is not None:
+            raise RunDirectoryError(
+                f"{out} holds checkpoints of an earlier run (latest: trainer step {point.step}, stage {point.stage!r}); "
+                "continue it with `zrl run RECIPE --resume`, or set a fresh output_dir")
+        if (out / "metrics.jsonl").exists():
+            raise RunDirectoryError(f"{out} holds metrics of an earlier run that saved no checkpoint; remove it or "
+                                    "set a fresh output_dir")
+    else:
+        if point is None:
+            raise RunDirectoryError(f"--resume: {out} has no checkpoint to resume from (no checkpoints/latest.json); "
+                                    "run without --resume to start the cascade")
+        if not resolved.is_file():
+            raise RunDirectoryError(f"--resume: {resolved} is missing; cannot check that the recipe is the run's")
+        saved = parse_recipe(yaml.safe_load(resolved.read_text()), str(resolved)).model_dump(mode="json")
+        changes = recipe_changes(saved, recipe.model_dump(mode="json"))
+        if changes:
+            shown = ", ".join(changes[:12]) + (f" (+{len(changes) - 12} more)" if len(changes) > 12 else "")
+            raise RunDirectoryError(
+                f"--resume: the recipe differs from the run's {resolved} in fields that change the optimisation: "
+                f"{shown}. Only these may change on resume: {', '.join(RESUMABLE_FIELDS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    driver = claim_run_dir(out)
+    resolved.write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    return point, driver
+
+
+def _zrl_process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (ProcessLookupError, PermissionError, FileNotFoundError):
+        return False
+    return b"zrl" in cmdline
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes of this host whose environment carries DRIVER_TAG=`tag` (Linux /proc)."""
+    needle = f"{DRIVER_TAG}={tag}".encode()
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return pids
+
+
+def _reap(holder: dict) -> None:
+    """Kill what the embedded Ray of a dead driver left running.
+
+    A SIGKILLed driver takes its Ray head (GCS, raylet: kernel fate sharing) and the workers with it,
+    but the raylet's agents (dashboard agent, runtime-env agent) wait about a minute on the dead GCS
+    before they exit. They inherited the driver's DRIVER_TAG, which no other process carries."""
+    pids = [p for p in tagged_processes(holder["tag"]) if p != os.getpid()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if pids:
+        log.warning("killed %d process(es) left by the interrupted driver (pid %d): %s", len(pids), holder["pid"],
+                    pids)
+
+
+def claim_run_dir(out: Path) -> tuple[Path, str]:
+    """Write `driver.json` with a fresh driver tag; refuse if a live zrl driver on this host holds the
+    directory, and clean up after a dead one. Returns the file and the tag."""
+    file = out / DRIVER_FILE
+    host = socket.gethostname()
+    if file.is_file():
+        holder = json.loads(file.read_text())
+        if holder.get("host") == host and holder.get("pid") != os.getpid():
+            if _zrl_process_alive(holder["pid"]):
+                raise RunDirectoryError(f"{out} is in use by a running zrl driver (pid {holder['pid']}); stop it "
+                                        "first or set another output_dir")
+            if holder.get("tag") and Path("/proc").is_dir():
+                _reap(holder)
+    tag = uuid.uuid4().hex
+    file.write_text(json.dumps({"pid": os.getpid(), "host": host, "tag": tag, "started": time.time()}) + "\n")
+    return file, tag
 
 
 def prepare_model(recipe: Recipe) -> Path:
@@ -64,11 +206,24 @@ def check_capacity(cluster: dict[str, float], needed: dict[str, float]) -> list[
             for kind, amount in needed.items() if amount > cluster.get(kind, 0) + 1e-9]
 
 
-def run_recipe(recipe: Recipe, address: str | None = None) -> int:
+def run_recipe(recipe: Recipe, address: str | None = None, resume: bool = False) -> int:
     out = Path(recipe.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recipe.resolved.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-    log.info("run directory: %s (resolved recipe written)", out)
+    point, (driver_file, tag) = prepare_run_dir(recipe, resume)
+    log.info("run directory: %s (resolved recipe written)%s", out,
+             "" if point is None else f"; resuming from trainer step {point.step} of stage {point.stage!r}")
+    previous_tag = os.environ.get(DRIVER_TAG)
+    os.environ[DRIVER_TAG] = tag  # before ray.init: an embedded Ray's processes inherit it
+    try:
+        return _run(recipe, address, point)
+    finally:
+        if previous_tag is None:
+            os.environ.pop(DRIVER_TAG, None)
+        else:
+            os.environ[DRIVER_TAG] = previous_tag
+        driver_file.unlink(missing_ok=True)
+
+
+def _run(recipe: Recipe, address: str | None, point) -> int:
     model_path = prepare_model(recipe)
     ray = connect_ray(address)
     try:
@@ -83,8 +238,8 @@ def run_recipe(recipe: Recipe, address: str | None = None) -> int:
             return 2
         from zrl.pipeline.controller import Cascade
 
-        step = Cascade(recipe, model_path).run()
-        log.info("cascade %r finished at trainer step %d; run directory %s", recipe.name, step, out)
+        step = Cascade(recipe, model_path, resume=point).run()
+        log.info("cascade %r finished at trainer step %d; run directory %s", recipe.name, step, recipe.output_dir)
         return 0
     finally:
         ray.shutdown()

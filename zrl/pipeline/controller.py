@@ -1,17 +1,47 @@
 """The cascade controller: reserves the pools, starts the trainer ranks once, runs the stages in order.
 
 The trainer pool (one FSDP2 process group) lives for the whole cascade, so each stage starts from the
-previous stage's final policy in memory; at the end of every stage the policy is also written as a
-Hugging Face `zaya` checkpoint (`<output_dir>/stages/<name>/hf`). Rollout workers are per stage
-(their engine limits follow the stage's lengths) and get the trainer's weights before they generate.
-Checkpoints (torch.distributed.checkpoint, any number of ranks) go to `<output_dir>/checkpoints/`,
-with `latest.json` naming the newest. Shutdown is the same on success, error and Ctrl-C: trainer
-ranks leave their process group, every actor is killed, both placement groups are removed.
+previous stage's final policy in memory. At the end of every stage the policy is written as a Hugging
+Face `zaya` checkpoint (`<output_dir>/stages/<name>/hf`), a summary figure of the stage's metrics
+(`stages/<name>/summary.png`, zrl/plots.py) and, last, the stage record `stages/<name>/stage.json`.
+Rollout workers are per stage (their engine limits follow the stage's lengths) and get the trainer's
+weights before they generate. Checkpoints (torch.distributed.checkpoint, any number of ranks) go to
+`<output_dir>/checkpoints/step_XXXXXX`, with `latest.json` {stage, step, path} naming the newest complete
+one (written atomically after every rank has saved). Shutdown is the same on success, error and Ctrl-C:
+trainer ranks leave their process group, every actor is killed, both placement groups are removed.
+
+Resume (`zrl run --resume`, a `ResumePoint` read from latest.json at trainer step s in stage k):
+- Stage boundaries are fixed by the recipe: stage i covers trainer steps first_i+1 .. last_i with
+  first_i = the steps of the stages before it and last_i = first_i + steps_i.
+- A stage is *finished* when the checkpoint step is at or past its last step and its stage record
+  exists (the record is written after the HF export and the plot, so it marks a complete export).
+  Stages before k are finished by construction (stage k only starts after stage k-1's record); their
+  records are checked and a missing one is reported, not rebuilt (their final weights are gone).
+- The trainer ranks start with stage k's settings and load the checkpoint (model, optimizer moments,
+  LR schedule, RNG; DCP reshards to any rank count). If s < last_k, stage k continues from step s with
+  its data state restored: the SFT prompt-source draws, or the RL buffer's counters, frontier and
+  staleness histogram and each rollout worker's prompt-source position (buffered and in-flight groups
+  were not saved: fresh groups are generated in their place). If s == last_k and stage k has no
+  record, only its end is redone (export, plot, record: the weights are the checkpoint's). Later stages
+  then run as in an uninterrupted cascade (`set_settings` with their `inherit` rule).
+- What the interrupted run did after step s is forgotten before anything starts: metric rows with a
+  later step are dropped from metrics.jsonl (and a line the kill cut short), and checkpoint
+  directories of later steps (incomplete by the atomicity of latest.json) are removed. TensorBoard
+  gets a purge marker (a SessionLog START event at step s+1 in its own event file, written before the
+  resumed run's file): its reader then drops the interrupted run's events from step s+1 on. wandb
+  keeps one run id per run directory (`wandb_run_id`), so an offline resumed run syncs into the same
+  run; wandb ignores steps it already has, so for the steps between s and the interruption it keeps
+  the values the interrupted run logged.
 """
 
+import contextlib
 import json
 import logging
+import os
+import secrets
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -24,6 +54,102 @@ from zrl.pipeline.sft_stage import run_sft_stage
 from zrl.pipeline.trainer_rank import TrainerRank
 
 log = logging.getLogger("zrl")
+
+LATEST = "latest.json"
+STAGE_RECORD = "stage.json"
+WANDB_ID_FILE = "wandb_run_id"
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The newest complete checkpoint of a run: the stage it was saved in and its trainer step."""
+
+    stage: str
+    step: int
+    path: Path
+
+
+def latest_checkpoint(run_dir: str | Path) -> ResumePoint | None:
+    """The checkpoint `latest.json` names, or None when the run wrote none.
+
+    The directory is looked up by name inside this run directory, so a moved or copied run resumes too.
+    """
+    checkpoints = Path(run_dir) / "checkpoints"
+    file = checkpoints / LATEST
+    if not file.is_file():
+        return None
+    data = json.loads(file.read_text())
+    return ResumePoint(stage=data["stage"], step=int(data["step"]), path=checkpoints / Path(data["path"]).name)
+
+
+def stage_bounds(recipe: Recipe) -> list[tuple[int, int]]:
+    """(first, last) trainer step of every stage: it trains steps first+1 .. last."""
+    bounds, step = [], 0
+    for stage in recipe.stages:
+        bounds.append((step, step + stage.steps))
+        step += stage.steps
+    return bounds
+
+
+def stage_finished(run_dir: str | Path, stage_name: str, last_step: int) -> bool:
+    record = Path(run_dir) / "stages" / stage_name / STAGE_RECORD
+    return record.is_file() and json.loads(record.read_text()).get("last_step") == last_step
+
+
+def rewind_run_dir(run_dir: str | Path, step: int) -> None:
+    """Forget what an interrupted run recorded after trainer step `step` (see the module docstring)."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        kept, dropped = [], 0
+        for line in metrics.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # the last line, cut short by the kill
+                dropped += 1
+                continue
+            if row["step"] <= step:
+                kept.append(line)
+            else:
+                dropped += 1
+        _write_atomic(metrics, "".join(f"{line}\n" for line in kept))
+        log.info("resume: kept %d metric rows up to step %d, dropped %d of the interrupted run", len(kept), step,
+                 dropped)
+    for path in sorted((run_dir / "checkpoints").glob("step_*")):
+        if path.is_dir() and path.name[len("step_"):].isdigit() and int(path.name[len("step_"):]) > step:
+            shutil.rmtree(path)
+            log.info("resume: removed %s (after the resume point, incomplete)", path)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """Set environment variables for the duration of the block (wandb reads its run id from them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _purge_tensorboard(log_dir: Path, from_step: int) -> None:
+    """Hide the events of steps >= `from_step` that earlier event files in `log_dir` hold."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    SummaryWriter(log_dir=str(log_dir), purge_step=from_step).close()
+    # Readers take event files in name order and names carry the creation time in whole seconds: the
+    # next writer's file must be created in a later second to come after this marker.
+    time.sleep(1.0 - time.time() % 1.0 + 0.01)
 
 
 def trainer_settings(recipe: Recipe, stage):
@@ -39,35 +165,86 @@ def trainer_settings(recipe: Recipe, stage):
 
 
 class Cascade:
-    def __init__(self, recipe: Recipe, model_path: str | Path):
+    def __init__(self, recipe: Recipe, model_path: str | Path, resume: ResumePoint | None = None):
         self.recipe = recipe
         self.model_path = str(model_path)
         self.run_dir = Path(recipe.output_dir)
+        self.resume = resume
         self.rollout_pool: Pool | None = None
         self.trainer_pool: Pool | None = None
         self.metrics: MetricsLogger | None = None
 
     def run(self) -> int:
-        """Run every stage; returns the final trainer step."""
+        """Run every stage (from the resume point, if any); returns the final trainer step."""
+        stages, bounds, point = self.recipe.stages, stage_bounds(self.recipe), self.resume
+        first = 0 if point is None else self._resume_index(point, bounds)
+        if (point is not None and point.step == bounds[-1][1]
+                and stage_finished(self.run_dir, stages[-1].name, bounds[-1][1])):
+            log.info("resume: the cascade finished at trainer step %d already; nothing to do", point.step)
+            return point.step
         try:
-            self.metrics = MetricsLogger(self.run_dir, self.recipe.metrics, self.recipe.name,
-                                         self.recipe.model_dump(mode="json"))
+            if point is not None:
+                rewind_run_dir(self.run_dir, point.step)
+            self.metrics = self._open_metrics()
             self.rollout_pool, self.trainer_pool = reserve_pools(self.recipe.resources)
-            ranks = self._start_trainers(self.recipe.stages[0])
-            step = 0
-            for index, stage in enumerate(self.recipe.stages):
-                if index:
+            ranks = self._start_trainers(stages[first])
+            step, data_state = bounds[first][0], None
+            if point is not None:
+                data_state = self._load_checkpoint(ranks, point)
+                step = point.step
+            for index in range(first, len(stages)):
+                stage, (first_step, last_step) = stages[index], bounds[index]
+                if index > first:
                     ray.get([r.set_settings.remote(trainer_settings(self.recipe, stage),
                                                    stage.inherit.optimizer_state) for r in ranks])
                 started = time.perf_counter()
-                step = self._run_stage(stage, ranks, step)
-                hf_dir = self.run_dir / "stages" / stage.name / "hf"
-                ray.get([r.export_hf.remote(str(hf_dir), self.recipe.model.dtype) for r in ranks])
-                log.info("stage %r finished at trainer step %d in %.0f s; policy exported to %s",
-                         stage.name, step, time.perf_counter() - started, hf_dir)
+                if step < last_step:
+                    step = self._run_stage(stage, ranks, first_step, step, data_state if index == first else None)
+                elif stage_finished(self.run_dir, stage.name, last_step):
+                    log.info("stage %r finished before the interruption (steps %d-%d)", stage.name,
+                             first_step + 1, last_step)
+                    continue
+                self._finish_stage(index, ranks, step, time.perf_counter() - started)
             return step
         finally:
             self.close()
+
+    def _resume_index(self, point: ResumePoint, bounds: list[tuple[int, int]]) -> int:
+        names = [s.name for s in self.recipe.stages]
+        if point.stage not in names:
+            raise ValueError(f"the checkpoint {point.path} was saved in stage {point.stage!r}, which this recipe "
+                             f"does not have (stages: {names})")
+        index = names.index(point.stage)
+        first_step, last_step = bounds[index]
+        if not first_step < point.step <= last_step:
+            raise ValueError(f"the checkpoint {point.path} is at trainer step {point.step}, outside stage "
+                             f"{point.stage!r} (steps {first_step + 1}-{last_step}) of this recipe")
+        missing = [s.name for s, (_, last) in zip(self.recipe.stages[:index], bounds)
+                   if not stage_finished(self.run_dir, s.name, last)]
+        if missing:
+            log.warning("resume: stages %s have no stage record in %s (their HF export may be incomplete); they "
+                        "cannot be redone, the cascade continues from stage %r", missing,
+                        self.run_dir / "stages", point.stage)
+        log.info("resume: checkpoint %s, trainer step %d of stage %r (steps %d-%d)", point.path, point.step,
+                 point.stage, first_step + 1, last_step)
+        return index
+
+    def _open_metrics(self) -> MetricsLogger:
+        env = {}
+        wandb = self.recipe.metrics.wandb
+        if wandb.enabled and wandb.mode != "disabled":
+            id_file = self.run_dir / WANDB_ID_FILE
+            if self.resume is not None and id_file.is_file():
+                env = {"WANDB_RUN_ID": id_file.read_text().strip(), "WANDB_RESUME": "allow"}
+            else:
+                env = {"WANDB_RUN_ID": os.environ.get("WANDB_RUN_ID") or secrets.token_hex(4)}
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                id_file.write_text(env["WANDB_RUN_ID"] + "\n")
+        if self.resume is not None and self.recipe.metrics.tensorboard:
+            _purge_tensorboard(self.run_dir / "tensorboard", self.resume.step + 1)
+        with _environ(env):
+            return MetricsLogger(self.run_dir, self.recipe.metrics, self.recipe.name,
+                                 self.recipe.model_dump(mode="json"))
 
     def _start_trainers(self, first_stage) -> list:
         pool = self.trainer_pool
@@ -82,18 +259,50 @@ class Cascade:
         log.info("trainer pool: %d FSDP2 rank(s) joined at %s:%d", pool.size, addr, port)
         return ranks
 
-    def _run_stage(self, stage, ranks: list, step: int) -> int:
+    def _load_checkpoint(self, ranks: list, point: ResumePoint) -> dict:
+        data_state = ray.get([r.load_checkpoint.remote(str(point.path)) for r in ranks])[0]
+        version = ray.get(ranks[0].version.remote())
+        if version != point.step:
+            raise RuntimeError(f"{point.path} holds trainer step {version}, latest.json says {point.step}")
+        if data_state.get("stage") != point.stage:
+            raise RuntimeError(f"{point.path} holds the data state of stage {data_state.get('stage')!r}, "
+                               f"latest.json says {point.stage!r}")
+        return data_state
+
+    def _run_stage(self, stage, ranks: list, first_step: int, step: int, data_state: dict | None) -> int:
+        """Train the stage from `step` (its first step, or a checkpoint's with `data_state`) to its end."""
         checkpoint = self._checkpointer(stage, ranks)
+        resume = {} if data_state is None else {"resume_step": step, "data_state": data_state}
         if isinstance(stage, RLStage):
             ctx = StageContext(ranks=ranks, rollout_pool=self.rollout_pool, model_path=self.model_path,
-                               engine_dtype=self.recipe.model.dtype, seed=self.recipe.seed + step,
+                               engine_dtype=self.recipe.model.dtype, seed=self.recipe.seed + first_step,
                                run_dir=str(self.run_dir), log_metrics=self._log(stage), checkpoint=checkpoint)
-            return RLStageRunner(stage, ctx, start_version=step).run()
+            return RLStageRunner(stage, ctx, start_version=first_step, **resume).run()
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.recipe.model.tokenizer_path or self.model_path)
-        return run_sft_stage(stage, ranks, tokenizer, seed=stage.seed + self.recipe.seed, start_version=step,
-                             log_metrics=self._log(stage), checkpoint=checkpoint)
+        return run_sft_stage(stage, ranks, tokenizer, seed=stage.seed + self.recipe.seed, start_version=first_step,
+                             log_metrics=self._log(stage), checkpoint=checkpoint, **resume)
+
+    def _finish_stage(self, index: int, ranks: list, step: int, elapsed_s: float) -> None:
+        """Export the stage's final policy, plot its metrics, then write its record (marks it finished)."""
+        from zrl.plots import plot_stage_summary
+
+        stage = self.recipe.stages[index]
+        stage_dir = self.run_dir / "stages" / stage.name
+        hf_dir = stage_dir / "hf"
+        ray.get([r.export_hf.remote(str(hf_dir), self.recipe.model.dtype) for r in ranks])
+        summary = None
+        if self.recipe.metrics.jsonl:
+            summary = plot_stage_summary(self.run_dir / "metrics.jsonl", index, stage_dir / "summary.png",
+                                         title=f"{self.recipe.name} / stage {stage.name}")
+        first_step, last_step = stage_bounds(self.recipe)[index]
+        record = {"stage": stage.name, "index": index, "first_step": first_step, "last_step": last_step,
+                  "hf": str(hf_dir), "summary_png": None if summary is None else str(summary),
+                  "finished_at": time.time()}
+        _write_atomic(stage_dir / STAGE_RECORD, json.dumps(record, indent=1) + "\n")
+        log.info("stage %r finished at trainer step %d in %.0f s; policy exported to %s%s", stage.name, step,
+                 elapsed_s, hf_dir, "" if summary is None else f", summary plot {summary}")
 
     def _log(self, stage):
         def log_metrics(step: int, values: dict) -> None:
@@ -104,8 +313,8 @@ class Cascade:
         def checkpoint(step: int, data_state: dict) -> None:
             path = self.run_dir / "checkpoints" / f"step_{step:06d}"
             ray.get([r.save_checkpoint.remote(str(path), data_state) for r in ranks])
-            (self.run_dir / "checkpoints" / "latest.json").write_text(
-                json.dumps({"stage": stage.name, "step": step, "path": str(path)}) + "\n")
+            _write_atomic(self.run_dir / "checkpoints" / LATEST,
+                          json.dumps({"stage": stage.name, "step": step, "path": str(path)}) + "\n")
             log.info("checkpoint: %s", path)
         return checkpoint
 

@@ -66,17 +66,21 @@ class _Counters:
 
 
 class RLStageRunner:
-    def __init__(self, stage: RLStage, ctx: StageContext, start_version: int):
+    def __init__(self, stage: RLStage, ctx: StageContext, start_version: int, resume_step: int | None = None,
+                 data_state: dict | None = None):
+        """Trains steps start_version+1 .. start_version+steps. With `resume_step` and a checkpoint's
+        `data_state` (the ranks already hold its weights) it continues after `resume_step`."""
         self.stage, self.ctx = stage, ctx
-        self.step = start_version
+        self.step = start_version if resume_step is None else resume_step
         self.end_step = start_version + stage.steps
         self.sync_mode = stage.asynchrony.max_staleness_steps == 0
         self.counters = _Counters()
         n = ctx.rollout_pool.size
         self.workers = [self._start_worker(i) for i in range(n)]
         ctx.rollout_pool.actors = self.workers
-        self.worker_version = [start_version] * n
+        self.worker_version = [self.step] * n
         self.in_engine = [0] * n
+        self.worker_states: list[dict] = [{} for _ in range(n)]  # from each worker's latest round
         self.buffer = light_actor(RolloutBuffer, stage.asynchrony, stage.algorithm, stage.sampling,
                                   stage_steps=stage.steps, first_step=start_version)
         self.verifiers = [light_actor(Verifier, stage.environments, max_restarts=-1) for _ in range(NUM_VERIFIERS)]
@@ -85,12 +89,14 @@ class RLStageRunner:
         self.training: list | None = None
         self.syncs: dict = {}        # ref -> worker index
         self.latest_weights = None   # object ref of the last exported state dict
-        self.latest_version = start_version
+        self.latest_version = self.step
         self._restarted: set[int] = set()  # workers restarted and not yet back in sync
         self._next_verifier = 0
         self._window_start = time.perf_counter()
         self._train_started = 0.0
         self._last_heartbeat = time.perf_counter()
+        if data_state is not None:
+            self._restore(data_state)
 
     # ------------------------------------------------------------------ set-up
 
@@ -112,7 +118,7 @@ class RLStageRunner:
         others = [r.export_state.remote(self.ctx.engine_dtype) for r in self.ctx.ranks[1:]]
         self._sync_weights(range(len(self.workers)))
         ray.get(others)
-        log.info("stage %r: %d RL steps from trainer step %d (%s mode)", self.stage.name, self.stage.steps,
+        log.info("stage %r: %d RL steps from trainer step %d (%s mode)", self.stage.name, self.end_step - self.step,
                  self.step, "synchronous" if self.sync_mode else "asynchronous")
         try:
             while self.step < self.end_step:
@@ -180,6 +186,7 @@ class RLStageRunner:
             self._worker_failed(w, exc)
             return
         self.in_engine[w] = result.in_flight_groups
+        self.worker_states[w] = result.state
         self.worker_version[w] = result.version
         self.counters.generated_tokens += result.generated_tokens
         self.counters.rollout_busy_s += result.busy_s
@@ -314,8 +321,27 @@ class RLStageRunner:
                  "training" if self.training is not None else "buffer not ready")
 
     def data_state(self) -> dict:
+        """Buffer state and each worker's state as of its last round (asking a worker now could block on
+        its round, or fail while Ray restarts it)."""
         return {"stage": self.stage.name, "buffer": ray.get(self.buffer.state_dict.remote()),
-                "workers": ray.get([w.state_dict.remote() for w in self.workers])}
+                "workers": list(self.worker_states)}
+
+    def _restore(self, state: dict) -> None:
+        """Continue from `data_state()` of a checkpoint: buffer counters, frontier and staleness histogram,
+        and each worker's prompt-source position. Buffered and in-flight groups were not saved; the
+        workers generate fresh groups in their place (the buffer counts them as discarded_on_resume)."""
+        if state.get("stage") != self.stage.name:
+            raise ValueError(f"stage {self.stage.name!r}: the checkpoint's data state is of stage {state.get('stage')!r}")
+        ray.get(self.buffer.load_state_dict.remote(state["buffer"]))
+        saved = state["workers"]
+        if len(saved) != len(self.workers):
+            log.warning("the checkpoint holds the prompt positions of %d rollout worker(s), this run has %d: "
+                        "workers without a saved position start their own prompt stream", len(saved),
+                        len(self.workers))
+        ray.get([w.load_state_dict.remote(s) for w, s in zip(self.workers, saved) if s])
+        self.worker_states[:len(saved)] = saved[:len(self.workers)]
+        log.info("stage %r: resumed at trainer step %d (buffer counters and %d worker prompt position(s) "
+                 "restored)", self.stage.name, self.step, min(len(saved), len(self.workers)))
 
     def _close(self) -> None:
         if self.training is not None:

@@ -42,6 +42,7 @@ class RoundResult:
     version: int                   # the engine's policy version at the end of the round
     skipped_long_prompts: int = 0
     canary_sums: dict = field(default_factory=dict)  # monitor name -> sum over the finished rollouts
+    state: dict = field(default_factory=dict)         # the worker's state_dict() after the round
 
 
 @dataclass
@@ -92,7 +93,7 @@ class RolloutWorker:
         generated = sum(len(r.token_ids) for g in finished for r in g.rollouts) + self._in_flight_tokens() - before
         return RoundResult(groups=finished, in_flight_groups=len(self._open), generated_tokens=generated,
                            busy_s=busy, version=self.engine.version, skipped_long_prompts=skipped,
-                           canary_sums=self._token_canaries(finished))
+                           canary_sums=self._token_canaries(finished), state=self.state_dict())
 
     def _token_canaries(self, groups: list[GeneratedGroup]) -> dict[str, float]:
         """Rare-token and gibberish monitors (no gate), summed over rollouts; the controller averages."""
@@ -111,10 +112,13 @@ class RolloutWorker:
         return {"sync/update_s": stats.seconds, "sync/bytes": float(stats.num_bytes), "sync/version": float(version)}
 
     def state_dict(self) -> dict:
-        return {"prompt_source": self.source.state_dict()}
+        """Prompt-stream position and sampling-seed generator: enough to continue the same streams."""
+        return {"prompt_source": self.source.state_dict(), "seed_rng": self._rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state["prompt_source"])
+        if "seed_rng" in state:
+            self._rng.bit_generator.state = state["seed_rng"]
 
     def close(self) -> None:
         self.engine.close()

@@ -5,6 +5,8 @@ tokenizer's chat template (the assistant turn opens the reasoning section), appe
 demonstration and the end-of-turn token, and sends the same examples to every trainer rank, which pack
 their share and take one optimizer step (token-mean NLL over the global batch). Examples longer than
 `max_sequence_tokens` are skipped and counted, never truncated.
+Resume: the prompt source's draw counter is the whole data position (zrl/prompts.py), so a stage
+continued from a checkpoint builds the same examples an uninterrupted run would have built.
 """
 
 import logging
@@ -41,11 +43,18 @@ def build_examples(source: PromptSource, tokenizer, n: int, max_tokens: int):
 
 
 def run_sft_stage(stage: SFTStage, ranks: list, tokenizer, seed: int, start_version: int, log_metrics,
-                  checkpoint=None) -> int:
+                  checkpoint=None, resume_step: int | None = None, data_state: dict | None = None) -> int:
+    """Train steps start_version+1 .. start_version+steps; returns the last. With `resume_step` and a
+    checkpoint's `data_state` (the ranks already hold its weights) it continues after `resume_step`."""
     source = PromptSource(stage.environments, seed=seed)
     step = start_version
     end = start_version + stage.steps
-    log.info("stage %r: %d SFT steps from trainer step %d", stage.name, stage.steps, step)
+    if data_state is not None:
+        if data_state.get("stage") != stage.name:
+            raise ValueError(f"stage {stage.name!r}: the checkpoint's data state is of stage {data_state.get('stage')!r}")
+        source.load_state_dict(data_state["prompt_source"])
+        step = resume_step
+    log.info("stage %r: %d SFT steps from trainer step %d", stage.name, end - step, step)
     while step < end:
         examples, skipped = build_examples(source, tokenizer, stage.examples_per_step, stage.max_sequence_tokens)
         if not examples:

@@ -1,0 +1,129 @@
+"""Helpers of the end-to-end tests: small recipes on the tiny model, `zrl` in a subprocess, leak checks.
+
+Every `zrl` subprocess gets a unique ZRL_TEST_MARKER environment variable. Ray's processes (GCS,
+raylet, workers, actors) inherit the driver's environment, so the processes a run left behind are
+exactly those whose environment holds its marker, whatever their session or process title.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import yaml
+
+ZRL = str(Path(sys.executable).parent / "zrl")
+PIPELINE_TESTS = Path(__file__).resolve().parent.parent / "integration" / "pipeline"  # coinflip_env.py
+
+
+def tiny_resources(trainer_workers: int = 2) -> dict:
+    return {"rollout_workers": 1, "trainer_workers": trainer_workers, "cpus_per_rollout_worker": 0.5,
+            "cpus_per_trainer_worker": 0.5, "trainer_microbatch_tokens": 256}
+
+
+def sft_stage(name: str = "sft", steps: int = 2, checkpoint_every_steps: int = 50) -> dict:
+    return {"name": name, "kind": "sft", "steps": steps, "checkpoint_every_steps": checkpoint_every_steps,
+            "environments": [{"name": "arithmetic", "options": {"max_operand": 9}}],
+            "examples_per_step": 8, "max_sequence_tokens": 64}
+
+
+def rl_stage(name: str = "rl", steps: int = 4, checkpoint_every_steps: int = 50,
+             env: str = "coinflip_env:CoinFlip") -> dict:
+    return {"name": name, "kind": "rl", "steps": steps, "checkpoint_every_steps": checkpoint_every_steps,
+            "environments": [{"name": env}],
+            "sampling": {"prompts_per_batch": 4, "group_size": 4, "max_prompt_tokens": 48, "max_response_tokens": 8},
+            "algorithm": {"length_reward": {"enabled": False}, "canaries": {"lz77": {"enabled": False}}},
+            "optimizer": {"muon": {"lr": 1e-3}},
+            "asynchrony": {"sync_every_steps": 2, "max_staleness_steps": 2, "min_ready_batches": 2,
+                           "buffer_capacity_batches": 4}}
+
+
+def recipe(output_dir: Path, model_dir: Path, stages: list[dict], name: str = "e2e", tensorboard: bool = False,
+           trainer_workers: int = 2) -> dict:
+    return {"name": name, "model": {"path": str(model_dir), "build_tiny_if_missing": True, "dtype": "float32"},
+            "output_dir": str(output_dir), "seed": 3, "resources": tiny_resources(trainer_workers),
+            "metrics": {"wandb": {"enabled": False}, "tensorboard": tensorboard}, "stages": stages}
+
+
+def write_recipe(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def zrl_env(pythonpath: list[Path] = (), marker: str | None = None) -> dict:
+    env = {**os.environ, "ZRL_TEST_MARKER": marker or uuid.uuid4().hex}
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (*pythonpath, PIPELINE_TESTS))
+    return env
+
+
+def start_zrl(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    """`zrl ARGS` in its own session, output to `log_path`."""
+    log = log_path.open("w")
+    return subprocess.Popen([ZRL, *args], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run_zrl(args: list[str], env: dict, log_path: Path, timeout_s: float = 600) -> int:
+    proc = start_zrl(args, env, log_path)
+    try:
+        return proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            break
+    return rows
+
+
+def read_latest(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def marked_processes(marker: str) -> dict[int, str]:
+    """pid -> command line of every live process whose environment carries `marker`."""
+    found = {}
+    needle = f"ZRL_TEST_MARKER={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":  # a zombie holds no resources; its parent reaps it
+                    found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return found
+
+
+def wait_until_gone(marker: str, timeout_s: float = 60) -> dict[int, str]:
+    """Wait for the marked processes to exit; returns those still alive after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := marked_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return alive
+
+
+def kill_marked(marker: str) -> None:
+    """Last-resort clean-up so that a failing test leaks nothing into the next one."""
+    for pid in marked_processes(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
