@@ -173,6 +173,7 @@ class Cascade:
         self.rollout_pool: Pool | None = None
         self.trainer_pool: Pool | None = None
         self.metrics: MetricsLogger | None = None
+        self._frontier: dict | None = None  # running max solve rates at the end of the last RL stage
 
     def run(self) -> int:
         """Run every stage (from the resume point, if any); returns the final trainer step."""
@@ -277,7 +278,11 @@ class Cascade:
             ctx = StageContext(ranks=ranks, rollout_pool=self.rollout_pool, model_path=self.model_path,
                                engine_dtype=self.recipe.model.dtype, seed=self.recipe.seed + first_step,
                                run_dir=str(self.run_dir), log_metrics=self._log(stage), checkpoint=checkpoint)
-            return RLStageRunner(stage, ctx, start_version=first_step, **resume).run()
+            frontier = self._frontier if stage.inherit.length_reward_state else None
+            runner = RLStageRunner(stage, ctx, start_version=first_step, frontier=frontier, **resume)
+            step = runner.run()
+            self._frontier = runner.final_frontier
+            return step
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.recipe.model.tokenizer_path or self.model_path)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
+from zrl.algorithms import SolveRateFrontier
 from zrl.buffer import RolloutBuffer
 from zrl.config.schema import RLStage
 from zrl.pipeline.pools import Pool, light_actor
@@ -67,9 +68,10 @@ class _Counters:
 
 class RLStageRunner:
     def __init__(self, stage: RLStage, ctx: StageContext, start_version: int, resume_step: int | None = None,
-                 data_state: dict | None = None):
+                 data_state: dict | None = None, frontier: dict | None = None):
         """Trains steps start_version+1 .. start_version+steps. With `resume_step` and a checkpoint's
-        `data_state` (the ranks already hold its weights) it continues after `resume_step`."""
+        `data_state` (the ranks already hold its weights) it continues after `resume_step`. `frontier`:
+        the running max solve rates a previous stage ended with (recipe `inherit.length_reward_state`)."""
         self.stage, self.ctx = stage, ctx
         self.step = start_version if resume_step is None else resume_step
         self.end_step = start_version + stage.steps
@@ -81,8 +83,11 @@ class RLStageRunner:
         self.worker_version = [self.step] * n
         self.in_engine = [0] * n
         self.worker_states: list[dict] = [{} for _ in range(n)]  # from each worker's latest round
+        inherited = SolveRateFrontier()
+        inherited.load_state_dict(frontier or {})
         self.buffer = light_actor(RolloutBuffer, stage.asynchrony, stage.algorithm, stage.sampling,
-                                  stage_steps=stage.steps, first_step=start_version)
+                                  stage_steps=stage.steps, first_step=start_version, frontier=inherited)
+        self.final_frontier: dict = dict(frontier or {})  # set from the buffer when the stage closes
         self.verifiers = [light_actor(Verifier, stage.environments, max_restarts=-1) for _ in range(NUM_VERIFIERS)]
         self.rounds: dict = {}       # ref -> worker index
         self.verifying: dict = {}    # ref -> (GeneratedGroup, started, verifier index, retried)
@@ -347,6 +352,7 @@ class RLStageRunner:
         if self.training is not None:
             ray.get(self.training)  # ranks must finish their collectives before anything else runs
             self.training = None
+        self.final_frontier = ray.get(self.buffer.state_dict.remote())["frontier"]
         # In-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) leave no shared-memory segments behind:
         # killing the actor process releases everything it held.
         for actor in self.workers + self.verifiers + [self.buffer]:
