@@ -53,13 +53,15 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    def __init__(self, run_dir: Path, project: str, entity: str | None, mode: str, name: str, config: dict):
+    def __init__(self, run_dir: Path, project: str, entity: str | None, mode: str, name: str, config: dict,
+                 run_id: str | None = None):
         import wandb
 
         if mode == "auto":
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        # An explicit id (resume="allow") continues the same run after `zrl run --resume`.
         self._run = wandb.init(project=project, entity=entity, mode=mode, name=name, dir=str(run_dir),
-                               config=config, reinit="create_new")
+                               config=config, reinit="create_new", id=run_id, resume="allow" if run_id else None)
 
     def write(self, step: int, values: dict[str, float]) -> None:
         self._run.log(values, step=step)
@@ -69,7 +71,8 @@ class WandbSink:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, config: Metrics, run_name: str, run_config: dict | None = None):
+    def __init__(self, run_dir: str | Path, config: Metrics, run_name: str, run_config: dict | None = None,
+                 wandb_run_id: str | None = None):
         run_dir = Path(run_dir)
         self.sinks: list[Sink] = []
         if config.jsonl:
@@ -78,7 +81,7 @@ class MetricsLogger:
             self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))
         if config.wandb.enabled and config.wandb.mode != "disabled":
             self.sinks.append(WandbSink(run_dir, config.wandb.project, config.wandb.entity, config.wandb.mode,
-                                        run_name, run_config or {}))
+                                        run_name, run_config or {}, run_id=wandb_run_id))
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         bad = {k: v for k, v in values.items() if isinstance(v, bool) or not isinstance(v, Real)}

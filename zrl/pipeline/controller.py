@@ -34,7 +34,6 @@ Resume (`zrl run --resume`, a `ResumePoint` read from latest.json at trainer ste
   the values the interrupted run logged.
 """
 
-import contextlib
 import json
 import logging
 import os
@@ -127,21 +126,6 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-@contextlib.contextmanager
-def _environ(values: dict[str, str]):
-    """Set environment variables for the duration of the block (wandb reads its run id from them)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def _purge_tensorboard(log_dir: Path, from_step: int) -> None:
     """Hide the events of steps >= `from_step` that earlier event files in `log_dir` hold."""
     from torch.utils.tensorboard import SummaryWriter
@@ -231,21 +215,20 @@ class Cascade:
         return index
 
     def _open_metrics(self) -> MetricsLogger:
-        env = {}
+        run_id = None
         wandb = self.recipe.metrics.wandb
         if wandb.enabled and wandb.mode != "disabled":
             id_file = self.run_dir / WANDB_ID_FILE
             if self.resume is not None and id_file.is_file():
-                env = {"WANDB_RUN_ID": id_file.read_text().strip(), "WANDB_RESUME": "allow"}
+                run_id = id_file.read_text().strip()
             else:
-                env = {"WANDB_RUN_ID": os.environ.get("WANDB_RUN_ID") or secrets.token_hex(4)}
+                run_id = os.environ.get("WANDB_RUN_ID") or secrets.token_hex(4)
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                id_file.write_text(env["WANDB_RUN_ID"] + "\n")
+                id_file.write_text(run_id + "\n")
         if self.resume is not None and self.recipe.metrics.tensorboard:
             _purge_tensorboard(self.run_dir / "tensorboard", self.resume.step + 1)
-        with _environ(env):
-            return MetricsLogger(self.run_dir, self.recipe.metrics, self.recipe.name,
-                                 self.recipe.model_dump(mode="json"))
+        return MetricsLogger(self.run_dir, self.recipe.metrics, self.recipe.name, self.recipe.model_dump(mode="json"),
+                             wandb_run_id=run_id)
 
     def _start_trainers(self, first_stage) -> list:
         pool = self.trainer_pool
