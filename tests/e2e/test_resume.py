@@ -78,7 +78,7 @@ def test_sigkilled_cascade_resumes_to_the_end(tmp_path, tmp_path_factory):
         latest, rows_at_kill = _interrupt_during_rl(proc, run_dir)
         # The driver's Ray head (GCS, raylet) shares its fate and the workers follow within seconds;
         # the raylet's agents outlive it by about a minute, and the resume kills them (zrl/run.py `_reap`).
-        leftovers = wait_until_gone(marker, timeout_s=10)
+        wait_until_gone(marker, timeout_s=10)
 
         rc = run_zrl(["run", str(path)], env, tmp_path / "fresh.log")
         assert rc == 2 and "--resume" in (tmp_path / "fresh.log").read_text()
@@ -89,8 +89,9 @@ def test_sigkilled_cascade_resumes_to_the_end(tmp_path, tmp_path_factory):
         assert wait_until_gone(marker, timeout_s=30) == {}, "processes of the killed or the resumed run are alive"
     finally:
         kill_marked(marker)
-    if leftovers:  # measured: the agents exit on their own 60-90 s after the kill, the resume starts ~10 s after
-        assert "left by the interrupted driver" in log, leftovers
+    # Whether the resume still finds the killed run's agents depends on timing (they exit on their own
+    # 60-90 s after the kill), so the reaping itself is checked deterministically in test_run_directory.py;
+    # here only the end state: nothing of either run is left (asserted above).
 
     ckpt = latest["step"]
     assert SFT_STEPS < ckpt < TOTAL and ckpt % 3 == 0
