@@ -7,12 +7,14 @@ Measured on the 2-core CPU machine (2026-11-21): 0.33 -> 0.52 after 20 RL steps;
 """
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+log = logging.getLogger(__name__)  # measured values; visible with pytest --log-cli-level=INFO
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 ZRL = str(Path(sys.executable).parent / "zrl")
@@ -44,7 +46,7 @@ def test_rl_stage_improves_held_out_accuracy(cascade):
     run_dir, _ = cascade
     before = held_out_accuracy(run_dir / "stages" / "sft_warm_start" / "hf")
     after = held_out_accuracy(run_dir / "stages" / "copy_rl" / "hf")
-    print(f"held-out accuracy: SFT start {before:.3f} -> after RL {after:.3f}")
+    log.info(f"held-out accuracy: SFT start {before:.3f} -> after RL {after:.3f}")
     assert after >= before + 0.08, (before, after)
 
 

@@ -94,49 +94,64 @@ def _sequence(prompt_ids: np.ndarray, token_ids: np.ndarray) -> tuple[np.ndarray
     return full[:-1], full[1:]
 
 
+def _pack_tokens(pairs: Sequence[tuple[np.ndarray, np.ndarray]], indices: Sequence[int], empty_error: str):
+    """Inputs, targets, loss mask and sequence index of the (prompt_ids, token_ids) pairs `indices`,
+    each [T] concatenated, plus cu_seqlens bounds and each sequence's (prompt length, packed length)."""
+    ids, tgts, mask, seq, bounds, layout = [], [], [], [], [0], []
+    for i in indices:
+        prompt_ids, token_ids = pairs[i]
+        p, n = len(prompt_ids), len(token_ids)
+        length = input_length(p, n)
+        if length == 0:
+            raise ValueError(empty_error.format(i=i))
+        inputs, targets = _sequence(prompt_ids, token_ids)
+        ids.append(inputs)
+        tgts.append(targets)
+        m = np.zeros(length, dtype=bool)
+        m[p - 1:] = True  # the loss is on the response tokens, predicted from position p-1 on
+        mask.append(m)
+        seq.append(np.full(length, i, dtype=np.int64))
+        bounds.append(bounds[-1] + length)
+        layout.append((p, length))
+    return [np.concatenate(x) for x in (ids, tgts, mask, seq)], bounds, layout
+
+
+def _response_values(layout, values) -> np.ndarray:
+    """[T] float32/int64: each sequence's per-response-token `values` at its loss positions, 0 elsewhere."""
+    parts = []
+    for (p, length), v in zip(layout, values):
+        part = np.zeros(length, dtype=np.asarray(v).dtype if np.ndim(v) else np.float32)
+        part[p - 1:] = v
+        parts.append(part)
+    return np.concatenate(parts)
+
+
 def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, indices: Sequence[int], *,
                   num_layers: int, replay: bool, device: torch.device) -> Microbatch:
     """The microbatch of batch sequences `indices` (in that order). `advantages`: [N_seq] per rollout."""
     if not indices:
         return dummy_microbatch(device, num_layers=num_layers if replay else None)
-    ids, tgts, mask, seq, beh, adv, ver, routes, bounds = [], [], [], [], [], [], [], [], [0]
-    for i in indices:
-        r = rollouts[i]
-        p, n = len(r.prompt_ids), len(r.token_ids)
-        length = input_length(p, n)
-        if length == 0:
-            raise ValueError(f"sequence {i} has an empty response and cannot be packed")
-        inputs, targets = _sequence(r.prompt_ids, r.token_ids)
-        ids.append(inputs)
-        tgts.append(targets)
-        m = np.zeros(length, dtype=bool)
-        m[p - 1:] = True
-        mask.append(m)
-        seq.append(np.full(length, i, dtype=np.int64))
-        b = np.zeros(length, dtype=np.float32)
-        b[p - 1:] = r.logprobs
-        beh.append(b)
-        a = np.zeros(length, dtype=np.float32)
-        a[p - 1:] = advantages[i]
-        adv.append(a)
-        v = np.full(length, -1, dtype=np.int64)
-        v[p - 1:] = r.token_versions()
-        ver.append(v)
-        if replay:
-            routes.append(_routing_rows(r, length, num_layers, i))
-        bounds.append(bounds[-1] + length)
+    pairs = [(r.prompt_ids, r.token_ids) for r in rollouts]
+    (ids, tgts, mask, seq), bounds, layout = _pack_tokens(pairs, indices, "sequence {i} has an empty response and cannot be packed")
+    chosen = [rollouts[i] for i in indices]
+    behaviour = _response_values(layout, [np.asarray(r.logprobs, dtype=np.float32) for r in chosen])
+    adv = _response_values(layout, [np.float32(advantages[i]) for i in indices])
+    versions = _response_values(layout, [r.token_versions() for r in chosen])
+    versions[~mask] = -1  # prompt positions carry no version
 
-    def cat(parts, dtype):
-        return torch.from_numpy(np.concatenate(parts)).to(device=device, dtype=dtype)
+    def tensor(array, dtype):
+        return torch.from_numpy(array).to(device=device, dtype=dtype)
 
+    routing = None
+    if replay:
+        rows = [_routing_rows(r, length, num_layers, i) for r, (_, length), i in zip(chosen, layout, indices)]
+        routing = tensor(np.concatenate(rows), torch.uint8)
     return Microbatch(
-        input_ids=cat(ids, torch.int64), targets=cat(tgts, torch.int64),
+        input_ids=tensor(ids, torch.int64), targets=tensor(tgts, torch.int64),
         cu_seqlens=torch.tensor(bounds, dtype=torch.int64, device=device),
-        loss_mask=cat(mask, torch.bool), seq_idx=cat(seq, torch.int64),
-        behaviour_logprobs=cat(beh, torch.float32), advantages=cat(adv, torch.float32),
-        versions=cat(ver, torch.int64),
-        routing=cat(routes, torch.uint8) if replay else None,
-        num_sequences=len(indices))
+        loss_mask=tensor(mask, torch.bool), seq_idx=tensor(seq, torch.int64),
+        behaviour_logprobs=tensor(behaviour, torch.float32), advantages=tensor(adv, torch.float32),
+        versions=tensor(versions, torch.int64), routing=routing, num_sequences=len(indices))
 
 
 def _routing_rows(rollout: Rollout, length: int, num_layers: int, index: int) -> np.ndarray:
@@ -153,30 +168,14 @@ def pack_sft(examples: Sequence[SFTExample], indices: Sequence[int], *, device: 
     """The microbatch of SFT examples `indices`: native routing, advantage 1, no behaviour logprobs."""
     if not indices:
         return dummy_microbatch(device)
-    ids, tgts, mask, seq, bounds = [], [], [], [], [0]
-    for i in indices:
-        ex = examples[i]
-        p, n = len(ex.prompt_ids), len(ex.token_ids)
-        length = input_length(p, n)
-        if length == 0:
-            raise ValueError(f"SFT example {i} has no target tokens and cannot be packed")
-        inputs, targets = _sequence(ex.prompt_ids, ex.token_ids)
-        ids.append(inputs)
-        tgts.append(targets)
-        m = np.zeros(length, dtype=bool)
-        m[p - 1:] = True
-        mask.append(m)
-        seq.append(np.full(length, i, dtype=np.int64))
-        bounds.append(bounds[-1] + length)
+    pairs = [(e.prompt_ids, e.token_ids) for e in examples]
+    (ids, tgts, mask, seq), bounds, _ = _pack_tokens(pairs, indices, "SFT example {i} has no target tokens and cannot be packed")
     total = bounds[-1]
-
-    def cat(parts):
-        return torch.from_numpy(np.concatenate(parts)).to(device)
-
-    mask_t = cat(mask)
+    mask_t = torch.from_numpy(mask).to(device)
     return Microbatch(
-        input_ids=cat(ids), targets=cat(tgts), cu_seqlens=torch.tensor(bounds, dtype=torch.int64, device=device),
-        loss_mask=mask_t, seq_idx=cat(seq),
+        input_ids=torch.from_numpy(ids).to(device), targets=torch.from_numpy(tgts).to(device),
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int64, device=device),
+        loss_mask=mask_t, seq_idx=torch.from_numpy(seq).to(device),
         behaviour_logprobs=torch.zeros(total, device=device), advantages=mask_t.float(),
         versions=torch.full((total,), -1, dtype=torch.int64, device=device), routing=None,
         num_sequences=len(indices))

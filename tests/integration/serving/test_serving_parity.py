@@ -5,6 +5,8 @@ tokens with prefill chunks of other requests, requests queue, and some are preem
 the reference runs every sequence alone in one pass.
 """
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from serving_testlib import generated_logits, k3_kl, make_prompts, reference_pas
 from serving.engine import SamplingConfig
 from serving.routing_capture import ROUTING_UNSET
 
+log = logging.getLogger(__name__)  # measured values; visible with pytest --log-cli-level=INFO
 pytestmark = pytest.mark.integration
 
 NUM_SAMPLES = 2
@@ -40,7 +43,7 @@ def test_fp32_logprobs_and_routing_equal_the_reference(fp32_engine, fp32_referen
         assert (sample.routing[-1] == ROUTING_UNSET).all()  # the last sampled token is never run
         for layer in range(fp32_engine.num_layers):
             used[layer] |= set(computed[:, layer].tolist())
-    print(f"fp32 engine vs zrl.moepp: max |logprob diff| {worst:.2e}, {recomputed} recomputed rows")
+    log.info(f"fp32 engine vs zrl.moepp: max |logprob diff| {worst:.2e}, {recomputed} recomputed rows")
     # Measured 1.8e-6 (vLLM CPU kernels vs PyTorch, fp32); the requirement is 1e-4.
     assert worst <= 1e-4
     skip = fp32_reference.config.num_experts
@@ -64,7 +67,7 @@ def test_bf16_mismatch_is_small(bf16_engine, bf16_reference):
     behaviour, target, same_routing = map(np.concatenate, (behaviour, target, same_routing))
     kl, pearson = k3_kl(behaviour, target), float(np.corrcoef(behaviour, target)[0, 1])
     kl_same = k3_kl(behaviour[same_routing], target[same_routing])
-    print(f"bf16 engine vs zrl.moepp: k3 KL {kl:.3e}, Pearson r {pearson:.6f} over {len(behaviour)} tokens; "
+    log.info(f"bf16 engine vs zrl.moepp: k3 KL {kl:.3e}, Pearson r {pearson:.6f} over {len(behaviour)} tokens; "
           f"routing agreement {agree}/{total}; KL {kl_same:.2e} over the {int(same_routing.sum())} tokens "
           f"whose context was routed identically")
     # Measured on this tiny random-weight model (sharp routers, 322 tokens): KL 2.8e-4, r 0.99994,
