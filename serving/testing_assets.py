@@ -62,7 +62,8 @@ def _calibrate_skip_biases(path: Path, tensors: dict[str, torch.Tensor], generat
     tokens = torch.randint(10, model.config.vocab_size, (8, 64), generator=generator)
     for layer_idx, layer in enumerate(model.layers):
         captured = []
-        hook = layer.mlp.gate.router_mlp.register_forward_hook(lambda m, i, out: captured.append(out))
+        # The router fuses its MLP (kernels/router): recompute the logits from its post-EDA latent.
+        hook = layer.mlp.gate.register_forward_hook(lambda m, i, out: captured.append(m.router_mlp(out.state)))
         model(tokens)
         hook.remove()
         probs = torch.softmax(captured[0].float(), dim=-1)  # [tokens, E + 1]

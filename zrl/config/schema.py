@@ -27,6 +27,9 @@ class ModelSpec(Strict):
     build_tiny_if_missing: bool = Field(
         False, description="build the tiny CPU checkpoint and tokenizer at `path` when it does not exist")
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    kernels: Literal["auto", "triton", "reference"] = Field(
+        "auto", description="trainer kernels (zrl/moepp/kernels): auto = fused Triton kernels on CUDA, "
+                            "PyTorch references otherwise; triton/reference force one")
 
 
 class Resources(Strict):

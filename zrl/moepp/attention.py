@@ -10,8 +10,9 @@ Per layer (shapes: T tokens, Hq query heads, Hk KV heads, d head_dim, C = (Hq + 
   v = [W_vc x_t, W_vd x_{t-1}] (x_{t-1} = 0 at a document start, so that half is W_vd's bias there)
   QK-norm: q, k scaled to L2 norm sqrt(d); k multiplied by a per-KV-head temperature (linear)
   partial RoPE (rotate-half) on the first `rotary_dim` channels of each head, causal GQA attention
-Everything from the convolutions to RoPE runs in fp32 (CCA_STATE, QK_MEAN, QK_NORM); projections and
-attention run in the compute dtype. Parameter names match the HF `zaya` checkpoint (`qkv_proj.*`,
+Everything from the mean skip to RoPE runs in fp32 (CCA_STATE, QK_MEAN, QK_NORM) as one op,
+`kernels.cca.cca_precondition` (the fused Triton kernel on CUDA, its PyTorch reference otherwise, which
+holds the math); projections and attention run in the compute dtype. Parameter names match the HF `zaya` checkpoint (`qkv_proj.*`,
 `qk_norm.temp`, `o_proj`).
 
 Invariant: no operation mixes tokens of different documents (see packing.PackedLayout).
@@ -25,8 +26,11 @@ from torch import nn
 
 from zrl.moepp.blocks import linear
 from zrl.moepp.config import MoEPPConfig
+from zrl.moepp.kernels.cca import cca_precondition
+from zrl.moepp.kernels.cca.reference import apply_partial_rope, cca_mix, qk_norm
 from zrl.moepp.packing import PackedLayout
-from zrl.moepp.precision import Fp32Op, to_op_dtype
+
+__all__ = ["CCAProjection", "CCAttention", "QKNorm", "apply_partial_rope", "causal_attention", "rope_cos_sin"]
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,16 +43,6 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tupl
     inv_freq = 1.0 / (theta ** exponents)  # [rotary_dim / 2]
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
     return angles.cos(), angles.sin()
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first 2 * cos.shape[-1] channels of x [T, H, d]; the rest pass through."""
-    half = cos.shape[-1]
-    if half == 0:
-        return x
-    x1, x2, rest = x[..., :half], x[..., half: 2 * half], x[..., 2 * half:]
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
@@ -96,21 +90,11 @@ class CCAProjection(nn.Module):
         """Tokens of history the two stacked causal convolutions read (P)."""
         return self.conv_qk_depthwise.kernel_size[0] - 1 + self.conv_qk_grouped.kernel_size[0] - 1
 
-    def forward(self, x: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, D] -> q [T, Hq, d] fp32, k [T, Hk, d] fp32, v [T, Hk, d] compute dtype."""
-        t, d, hq, hk = x.shape[0], self.head_dim, self.num_q_heads, self.num_kv_heads
-        q = to_op_dtype(linear(x, self.q_proj), Fp32Op.QK_MEAN)  # [T, Hq d]
-        k = to_op_dtype(linear(x, self.k_proj), Fp32Op.QK_MEAN)  # [T, Hk d]
-
-        # Mean skip: each query head averaged with its KV head; each KV head gets its group's mean.
-        groups = hq // hk
-        q_res = (q.view(t, hq, d) + k.view(t, hk, d).repeat_interleave(groups, dim=1)) * 0.5  # [T, Hq, d]
-        k_res = q_res.view(t, hk, groups, d).mean(dim=2)  # [T, Hk, d]
-
-        conv = self._causal_convs(to_op_dtype(torch.cat([q, k], dim=-1), Fp32Op.CCA_STATE), layout)  # [T, C]
-        q_out = conv[:, : hq * d].view(t, hq, d) + q_res
-        k_out = conv[:, hq * d:].view(t, hk, d) + k_res
-
+    def project(self, x: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> q [T, Hq d], k [T, Hk d] (projections only), v [T, Hk, d]; all compute dtype."""
+        t, d, hk = x.shape[0], self.head_dim, self.num_kv_heads
+        q = linear(x, self.q_proj)  # [T, Hq d]
+        k = linear(x, self.k_proj)  # [T, Hk d]
         v_current = linear(x, self.v_proj_current)  # [T, Hk d / 2]
         v_all = linear(x, self.v_proj_delayed)  # [T, Hk d / 2] projection of every token, used one step later
         # At a document start the previous token is zero history: W_vd 0 + b_vd.
@@ -118,41 +102,35 @@ class CCAProjection(nn.Module):
                        else v_all.new_zeros(()))
         v_delayed = torch.where(layout.doc_start[:, None], start_value, torch.roll(v_all, 1, dims=0))
         v = torch.cat([v_current, v_delayed], dim=-1).view(t, hk, d)
-        return q_out, k_out, v
+        return q, k, v
 
-    def _causal_convs(self, qk: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
-        """Both causal convolutions with zero history per document. qk [T, C] fp32 -> [T, C] fp32.
+    def forward(self, x: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> q [T, Hq, d] fp32, k [T, Hk, d] fp32 (before QK-norm), v [T, Hk, d] compute dtype.
 
-        The stream is laid out with P zero columns before each document; running the convolutions
-        without padding over it gives, for a token at padded column p, the window [p - P, p], which
-        never reaches into the previous document.
+        The reference mean skip and convolutions; the model itself runs `project` and the fused
+        `cca_precondition` (which continues through QK-norm and RoPE), so this is for inspection/tests.
         """
-        t, channels = qk.shape
-        pad = layout.conv_padding
-        padded = qk.new_zeros(t + pad * layout.num_docs, channels).index_copy(0, layout.conv_index, qk)
-        h = padded.t()[None]  # [1, C, T + N P]
+        q, k, v = self.project(x, layout)
         dw, gr = self.conv_qk_depthwise, self.conv_qk_grouped
-        h = F.conv1d(h, to_op_dtype(dw.weight, Fp32Op.CCA_STATE), to_op_dtype(dw.bias, Fp32Op.CCA_STATE),
-                     groups=dw.groups)
-        h = F.conv1d(h, to_op_dtype(gr.weight, Fp32Op.CCA_STATE), to_op_dtype(gr.bias, Fp32Op.CCA_STATE),
-                     groups=gr.groups)  # [1, C, T + N P - P]
-        return h[0].t().index_select(0, layout.conv_index - pad)
+        q, k = cca_mix(q, k, dw.weight, dw.bias, gr.weight, gr.bias, layout.doc_offset, self.num_q_heads,
+                       self.num_kv_heads, self.head_dim)
+        return q, k, v
 
 
 class QKNorm(nn.Module):
-    """L2-normalise q and k to norm sqrt(d) (fp32) and scale k by a learned per-KV-head temperature."""
+    """L2-normalise q and k to norm sqrt(d) (fp32) and scale k by a learned per-KV-head temperature.
+
+    The model runs this as the last step of the fused CCA preconditioner (CCAttention.forward); the
+    module owns the `temp` parameter and its standalone forward serves the vLLM integration.
+    """
 
     def __init__(self, config: MoEPPConfig) -> None:
         super().__init__()
-        self.scale = config.head_dim ** 0.5
         self.temp = nn.Parameter(torch.zeros(config.num_key_value_heads))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k = to_op_dtype(q, Fp32Op.QK_NORM), to_op_dtype(k, Fp32Op.QK_NORM)
-        eps = torch.finfo(torch.float32).eps  # only guards an all-zero vector
-        q = q * (self.scale / q.norm(dim=-1, keepdim=True).clamp_min(eps))
-        k = k * (self.scale / k.norm(dim=-1, keepdim=True).clamp_min(eps))
-        return q, k * to_op_dtype(self.temp, Fp32Op.QK_NORM)[None, :, None]
+        """q [T, Hq, d], k [T, Hk, d] -> normalised, fp32."""
+        return qk_norm(q, k, self.temp)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.temp)  # the reference's initial value
@@ -170,10 +148,13 @@ class CCAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, layout: PackedLayout, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [T, D] (normed) -> [T, D] in the compute dtype."""
-        q, k, v = self.qkv_proj(x, layout)
-        q, k = self.qk_norm(q, k)
+        proj = self.qkv_proj
+        q, k, v = proj.project(x, layout)  # [T, Hq d], [T, Hk d], [T, Hk, d]
+        dw, gr = proj.conv_qk_depthwise, proj.conv_qk_grouped
         cos, sin = rope
-        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        # mean skip, both convolutions, QK-norm with qk_norm.temp and partial RoPE in one op
+        q, k = cca_precondition(q, k, dw.weight, dw.bias, gr.weight, gr.bias, self.qk_norm.temp, layout.doc_offset,
+                                cos, sin, proj.num_q_heads, proj.num_kv_heads, proj.head_dim)  # fp32
         dtype = self.o_proj.weight.dtype
         out = causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), layout)  # [T, Hq, d]
         return linear(out.reshape(out.shape[0], -1), self.o_proj)

@@ -2,7 +2,9 @@
 
 Both run in fp32 whatever the weight dtype (RMSNORM and RESIDUAL of the FP32 op set, precision.py):
 they return fp32 and the consumer casts to its compute dtype. Parameter names match the HF `zaya`
-checkpoint (`weight`; `hidden_states_scale/bias`, `residual_scale/bias`).
+checkpoint (`weight`; `hidden_states_scale/bias`, `residual_scale/bias`). The math lives in the
+fused op `zrl.moepp.kernels.residual_norm` (Triton kernel or its PyTorch reference, by backend);
+these modules hold the parameters and call it, so the checkpoint layout is the same on every backend.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zrl.moepp.precision import Fp32Op, to_op_dtype
+from zrl.moepp.kernels.residual_norm import rms_norm, scaled_residual_add_rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -22,9 +24,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = to_op_dtype(x, Fp32Op.RMSNORM)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x * to_op_dtype(self.weight, Fp32Op.RMSNORM)
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -41,11 +41,21 @@ class ResidualScaling(nn.Module):
         self.residual_bias = nn.Parameter(torch.zeros(size))
 
     def forward(self, branch: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        def f32(t: torch.Tensor) -> torch.Tensor:
-            return to_op_dtype(t, Fp32Op.RESIDUAL)
+        """branch [..., D] (compute dtype), residual [..., D] fp32 -> the new residual stream, fp32."""
+        x, _ = scaled_residual_add_rmsnorm(branch, residual, self.hidden_states_scale, self.hidden_states_bias,
+                                           self.residual_scale, self.residual_bias, None, 0.0)
+        return x
 
-        scaled_branch = (f32(branch) + f32(self.hidden_states_bias)) * f32(self.hidden_states_scale)
-        return scaled_branch + (f32(residual) + f32(self.residual_bias)) * f32(self.residual_scale)
+    def add_and_norm(self, branch: torch.Tensor, residual: torch.Tensor,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` followed by `norm` of its result in one fused pass: (x, norm(x)), both fp32.
+
+        Uses `norm`'s parameters directly (call it inside the module that owns both, e.g. the decoder
+        layer, so FSDP2 has gathered them)."""
+        x, normed = scaled_residual_add_rmsnorm(
+            branch, residual, self.hidden_states_scale, self.hidden_states_bias, self.residual_scale,
+            self.residual_bias, norm.weight, norm.eps)
+        return x, normed
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.hidden_states_scale)

@@ -1,106 +1,13 @@
-"""Per-token log-probabilities (and entropy) through the LM head without materialising [T, V] in fp32.
+"""The model's entry point for per-token log-probabilities (and entropy) through the LM head.
 
-The LM head matmul and the log-softmax run in fp32 (LM_HEAD, LOGPROB of the FP32 op set) over chunks
-of tokens: only a [c, V] block of logits exists at a time, in the forward and again in the backward,
-which recomputes it instead of saving it. Saved for backward: the inputs and the per-token
-log-sum-exp (and the expected logit when entropy is asked for), O(T).
-
-For a token with logits z (softmax p, lse = logsumexp z):
-  logprob = z[y] - lse                    d/dz = onehot(y) - p
-  entropy = lse - sum_j p_j z_j           d/dz_j = -p_j (z_j - sum_i p_i z_i)
-Targets < 0 are ignored: their logprob is 0 and they send no gradient.
+`chunked_token_logprobs` is the LM head + log-softmax gather op of zrl.moepp.kernels.lm_logprobs:
+hidden [T, D] x weight [V, D] -> logprob [T] (and entropy [T]) in fp32 (LM_HEAD, LOGPROB of the FP32
+op set), targets < 0 ignored, [T, V] logits never materialised in fp32. It dispatches to the fused
+Triton kernels (CUDA) or to the chunked PyTorch reference that defines the result (switch:
+zrl.moepp.kernels, ZRL_KERNELS). This module only names the op for the model and the package exports.
 """
 
-from __future__ import annotations
+from zrl.moepp.kernels.lm_logprobs import default_chunk_tokens
+from zrl.moepp.kernels.lm_logprobs import token_logprobs as chunked_token_logprobs
 
-import torch
-
-from zrl.moepp.precision import Fp32Op, to_op_dtype
-
-# Target chunk: c x V fp32 logits of about 256 MiB (c = 256 for the 262k Gemma3 vocabulary).
-_CHUNK_BYTES = 1 << 28
-
-
-def default_chunk_tokens(vocab_size: int) -> int:
-    return max(1, _CHUNK_BYTES // (4 * vocab_size))
-
-
-class _ChunkedTokenLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                chunk_tokens: int, with_entropy: bool):
-        w32 = to_op_dtype(weight, Fp32Op.LM_HEAD)  # [V, D]
-        safe_targets = targets.clamp_min(0)
-        logprobs, lses, means, entropies = [], [], [], []
-        for h, y in zip(hidden.split(chunk_tokens), safe_targets.split(chunk_tokens)):
-            logits = to_op_dtype(h, Fp32Op.LM_HEAD) @ w32.t()  # [c, V]
-            lse = torch.logsumexp(logits, dim=-1)  # [c]
-            logprobs.append(logits.gather(1, y[:, None])[:, 0] - lse)
-            lses.append(lse)
-            if with_entropy:
-                # sum_j p_j (lse - z_j): non-negative terms, no cancellation between lse and E_p[z]
-                gap = lse[:, None] - logits  # [c, V] = -log p
-                entropy_c = (torch.exp(-gap) * gap).sum(dim=-1)
-                entropies.append(entropy_c)
-                means.append(lse - entropy_c)  # E_p[z], for the backward
-        logprob = torch.cat(logprobs).masked_fill(targets < 0, 0.0)  # [T]
-        lse = torch.cat(lses)
-        entropy = torch.cat(entropies) if with_entropy else None
-        saved_mean = torch.cat(means) if with_entropy else lse.new_empty(0)
-        ctx.save_for_backward(hidden, weight, targets, lse, saved_mean)
-        ctx.chunk_tokens, ctx.with_entropy = chunk_tokens, with_entropy
-        return logprob, (entropy if with_entropy else lse.new_zeros(0))
-
-    @staticmethod
-    def backward(ctx, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None):
-        hidden, weight, targets, lse, mean_logit = ctx.saved_tensors
-        c = ctx.chunk_tokens
-        w32 = to_op_dtype(weight, Fp32Op.LM_HEAD)
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_w = torch.zeros_like(w32) if need_w else None
-        grad_h = []
-        if grad_logprob is None:
-            grad_logprob = lse.new_zeros(lse.shape)
-        grad_logprob = grad_logprob.float().masked_fill(targets < 0, 0.0)
-        use_entropy = ctx.with_entropy and grad_entropy is not None and grad_entropy.numel() > 0
-        for start in range(0, hidden.shape[0], c):
-            sl = slice(start, start + c)
-            h32 = to_op_dtype(hidden[sl], Fp32Op.LM_HEAD)  # [c, D]
-            logits = h32 @ w32.t()  # [c, V]
-            g_lp = grad_logprob[sl, None]  # [c, 1]
-            # In place on the [c, V] block to keep one allocation per chunk.
-            if use_entropy:
-                p = torch.exp(logits - lse[sl, None])  # softmax from the saved lse
-                g_ent = grad_entropy[sl, None].float()
-                grad_logits = logits.sub_(mean_logit[sl, None]).mul_(-g_ent).sub_(g_lp).mul_(p)
-            else:
-                grad_logits = logits.sub_(lse[sl, None]).exp_().mul_(-g_lp)
-            grad_logits.scatter_add_(1, targets[sl].clamp_min(0)[:, None], g_lp)
-            if need_h:
-                grad_h.append(grad_logits @ w32)
-            if need_w:
-                grad_w.addmm_(grad_logits.t(), h32)
-        out_h = torch.cat(grad_h).to(hidden.dtype) if need_h else None
-        out_w = grad_w.to(weight.dtype) if need_w else None
-        return out_h, out_w, None, None, None
-
-
-def chunked_token_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    chunk_tokens: int | None = None,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(hidden @ weight^T)[targets] and optionally the entropy, both [T] fp32.
-
-    hidden [T, D], weight [V, D] (the tied embedding), targets [T] int (< 0 = ignored).
-    The entropy is returned for monitoring and also differentiable.
-    """
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden must be [T, D] and targets [T], got {tuple(hidden.shape)} and "
-                         f"{tuple(targets.shape)}")
-    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
-    logprob, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, targets.to(torch.int64), chunk, with_entropy)
-    return logprob, (entropy if with_entropy else None)
+__all__ = ["chunked_token_logprobs", "default_chunk_tokens"]

@@ -54,8 +54,9 @@ class DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, RouterOutput]:
         """x [T, D] fp32 -> x [T, D] fp32 and this layer's routing (its `state` feeds the next router)."""
         h = self.self_attn(self.input_layernorm(x), layout, rope)
-        x = self.post_attention_residual_scale(h, x)
-        h, routing = self.mlp(self.post_attention_layernorm(x), router_state, replay)
+        # residual scaling + post_attention_layernorm fused (one pass over [T, D]; kernels/residual_norm)
+        x, normed = self.post_attention_residual_scale.add_and_norm(h, x, self.post_attention_layernorm)
+        h, routing = self.mlp(normed, router_state, replay)
         return self.post_mlp_residual_scale(h, x), routing
 
 
@@ -146,7 +147,7 @@ class MoEPPForCausalLM(nn.Module):
             raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != input_ids shape "
                              f"{tuple(input_ids.shape)}")
         layout = build_layout(
-            num_tokens, device=ids.device, conv_padding=self.layers[0].self_attn.qkv_proj.conv_history,
+            num_tokens, device=ids.device,
             cu_seqlens=cu_seqlens, position_ids=position_ids,
             row_length=input_ids.shape[1] if input_ids.dim() == 2 else None)
         replay = (None if routing_replay is None else

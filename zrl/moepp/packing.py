@@ -1,4 +1,4 @@
-"""Document layout of a packed token stream: boundaries, positions and the CCA convolution index.
+"""Document layout of a packed token stream: boundaries, positions and offsets inside documents.
 
 The model runs on one flat stream of T tokens made of N documents laid end to end (`cu_seqlens`,
 the cumulative lengths [0, len_0, len_0 + len_1, ..., T]). Everything that mixes neighbouring tokens
@@ -26,8 +26,7 @@ class PackedLayout:
     seq_lens: tuple[int, ...]  # N document lengths on the host
     positions: torch.Tensor  # [T] int64 RoPE position of each token
     doc_start: torch.Tensor  # [T] bool, True at the first token of each document
-    conv_padding: int  # P: zero columns inserted before each document for the causal convolutions
-    conv_index: torch.Tensor  # [T] int64, where token t sits in the stream with P zeros before each doc
+    doc_offset: torch.Tensor  # [T] int64, tokens since the start of the token's document (0 at a start)
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +66,6 @@ def build_layout(
     num_tokens: int,
     *,
     device: torch.device,
-    conv_padding: int,
     cu_seqlens: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     row_length: int | None = None,
@@ -99,12 +97,13 @@ def build_layout(
     seq_lens = torch.tensor(lens, device=device)  # [N]
     doc_ids = torch.repeat_interleave(torch.arange(len(lens), device=device), seq_lens)  # [T]
     token_idx = torch.arange(num_tokens, device=device)  # [T]
+    doc_offset = token_idx - cu[doc_ids]
     if position_ids is not None:
         positions = position_ids.reshape(-1).to(device=device, dtype=torch.int64)
         if positions.numel() != num_tokens:
             raise ValueError(f"position_ids has {positions.numel()} entries for {num_tokens} tokens")
     else:
-        positions = token_idx - cu[doc_ids]
+        positions = doc_offset
     doc_start = torch.zeros(num_tokens, dtype=torch.bool, device=device)
     doc_start[cu[:-1]] = True
     return PackedLayout(
@@ -112,6 +111,5 @@ def build_layout(
         seq_lens=tuple(lens),
         positions=positions,
         doc_start=doc_start,
-        conv_padding=conv_padding,
-        conv_index=token_idx + conv_padding * (doc_ids + 1),
+        doc_offset=doc_offset,
     )

@@ -9,6 +9,11 @@ Per layer (T tokens, D hidden, R router latent, E experts; class E is the "skip"
   chosen = recorded id under router replay (unless the record is the sentinel), else native
   gate = probs[chosen]                    unbiased, not renormalised; gradients reach the router here
 
+Everything from RMSNorm to the gate is one op, zrl.moepp.kernels.router.route (a fused Triton kernel
+on CUDA, its PyTorch reference elsewhere, see zrl/moepp/kernels); RouterMLP keeps the parameters
+(checkpoint keys `router_mlp.*`) and its forward gives the logits alone (reference math). The
+down-projection and EDA stay here: a GEMM and an axpy.
+
 `balancing_biases` is an fp32 buffer (checkpoint key `mlp.gate.balancing_biases`) that stays fp32
 when the module is cast to bf16; it is updated outside autograd by routing.BiasBalancer.
 """
@@ -18,15 +23,15 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from zrl.moepp.blocks import RMSNorm, linear
 from zrl.moepp.config import MoEPPConfig
-from zrl.moepp.precision import Fp32Op, to_op_dtype
+from zrl.moepp.kernels.router import REPLAY_SENTINEL, route, router_logits
 
-# A recorded expert id equal to this means "no record for this token": route natively (and count it).
-REPLAY_SENTINEL = 255
+# REPLAY_SENTINEL (255): a recorded expert id meaning "no record for this token": route natively (and
+# count it). Defined with the router op; re-exported here, where the rest of zrl imports it from.
+__all__ = ["REPLAY_SENTINEL", "RouterMLP", "RouterOutput", "ZayaRouter", "initial_balancing_biases"]
 
 
 class RouterOutput(NamedTuple):
@@ -49,9 +54,12 @@ class RouterMLP(nn.Module):
         self.out_proj = nn.Linear(router_hidden_size, num_classes, bias=False)
 
     def forward(self, r: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(linear(self.norm(r), self.fc1))
-        h = F.gelu(linear(h, self.fc2))
-        return linear(h, self.out_proj)
+        return router_logits(r, *self._weights(), self.norm.eps)
+
+    def _weights(self) -> tuple[torch.Tensor, ...]:
+        """(norm weight, fc1 weight, fc1 bias, fc2 weight, fc2 bias, out weight), `route`'s order."""
+        return (self.norm.weight, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
+                self.out_proj.weight)
 
 
 class ZayaRouter(nn.Module):
@@ -73,13 +81,10 @@ class ZayaRouter(nn.Module):
             if prev_state is None:
                 raise ValueError("layers after the first need the previous layer's router state (EDA)")
             r = r + prev_state.to(r.dtype) * self.router_states_scale.to(r.dtype)
-        logits = self.router_mlp(r)  # [T, E + 1]
-        probs = torch.softmax(to_op_dtype(logits, Fp32Op.ROUTER_SOFTMAX), dim=-1)  # [T, E + 1] fp32
-        native = torch.argmax(probs.detach() + self.balancing_biases.float(), dim=-1)  # [T]
-        chosen = native if replay is None else torch.where(replay == REPLAY_SENTINEL, native, replay)
-        # Advanced indexing (not gather + select) returns a fresh tensor, not a view: FSDP2 warns on
-        # views returned from a wrapped layer.
-        gate = probs[torch.arange(probs.shape[0], device=probs.device), chosen]  # [T]
+        # RMSNorm -> MLP -> softmax -> biased argmax -> replay -> gate, fused (router_mlp's forward is
+        # not called: hooks on it do not fire; its parameters are read directly).
+        gate, chosen, native = route(r, *self.router_mlp._weights(), self.balancing_biases, replay,
+                                     self.router_mlp.norm.eps)  # [T] each
         return RouterOutput(gate=gate, chosen=chosen, native=native, state=r)
 
     def reset_parameters(self) -> None:

@@ -145,6 +145,7 @@ def trainer_settings(recipe: Recipe, stage):
     else:
         budget = max(budget, stage.max_sequence_tokens)
     return TrainerSettings.from_stage(stage, token_budget=budget, param_dtype=recipe.model.dtype,
+                                      kernels=recipe.model.kernels,
                                       activation_checkpointing=recipe.resources.activation_checkpointing)
 
 

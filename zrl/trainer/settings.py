@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zrl.moepp.kernels import BACKENDS
 from zrl.config.schema import Algorithm, Optimizer, RLStage, SFTStage
 from zrl.optim import AdamWHyperparams, MuonHyperparams
 from zrl.trainer.loss import RLObjective
@@ -26,6 +27,7 @@ class TrainerSettings:
     total_steps: int | None = None  # the stage's optimizer steps (needed by the cosine schedule)
     token_budget: int = 131072  # tokens per rank per microbatch (seeds/003 §IV-C)
     param_dtype: str = "bfloat16"  # compute dtype of the gathered parameters; masters and reduction fp32
+    kernels: str = "auto"  # zrl.moepp.kernels backend of this rank's model: auto, triton or reference
     activation_checkpointing: bool = True  # recompute each decoder layer in backward
     activation_offload: bool = False  # keep saved layer inputs in host memory (accelerators only)
     hsdp_replicas: int = 1  # > 1: 2-D mesh, shard within world_size / hsdp_replicas ranks, replicate across
@@ -37,6 +39,8 @@ class TrainerSettings:
     def __post_init__(self) -> None:
         if self.param_dtype not in _DTYPES:
             raise ValueError(f"param_dtype must be one of {sorted(_DTYPES)}, got {self.param_dtype!r}")
+        if self.kernels not in BACKENDS:
+            raise ValueError(f"kernels must be one of {', '.join(BACKENDS)}, got {self.kernels!r}")
         if self.token_budget < 2 or self.max_response_tokens < 1 or self.hsdp_replicas < 1:
             raise ValueError("token_budget must be >= 2, max_response_tokens and hsdp_replicas >= 1")
 

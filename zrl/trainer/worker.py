@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from zrl.moepp import kernels
 from zrl.moepp import BiasBalancer, MoEPPConfig, MoEPPForCausalLM, load_hf_checkpoint, optimizer_param_groups
 from zrl.optim import MuonAdamW, lr_scheduler
 from zrl.trainer import checkpoint as ckpt
@@ -64,6 +65,7 @@ class TrainerWorker:
     def _build_model(self) -> MoEPPForCausalLM:
         """Build on the meta device, shard, then load the checkpoint: rank 0 reads it and broadcasts."""
         config = MoEPPConfig.from_pretrained_dir(self.model_path)
+        kernels.set_backend(self.settings.kernels)
         with torch.device("meta"):
             model = MoEPPForCausalLM(config)
         model.set_activation_checkpointing(self.settings.activation_checkpointing)
@@ -91,7 +93,7 @@ class TrainerWorker:
         `keep_optimizer_state` carries the AdamW moments over (recipe `inherit.optimizer_state`).
         Sharding and memory settings cannot change without rebuilding the worker.
         """
-        fixed = ("param_dtype", "hsdp_replicas", "activation_checkpointing")
+        fixed = ("param_dtype", "kernels", "hsdp_replicas", "activation_checkpointing")
         changed = [f for f in fixed if getattr(settings, f) != getattr(self.settings, f)]
         if changed:
             raise ValueError(f"{changed} cannot change between stages of one TrainerWorker")

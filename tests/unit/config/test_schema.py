@@ -179,3 +179,16 @@ def test_config_imports_no_heavy_frameworks():
     code = ("import sys, zrl.config; heavy = {'torch', 'ray', 'vllm', 'transformers'} & set(sys.modules); "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_kernel_backend_reaches_the_trainer_settings():
+    from zrl.pipeline.controller import trainer_settings
+
+    data = minimal()
+    assert parse_recipe(data).model.kernels == "auto"
+    apply_override(data, "model.kernels=reference")
+    recipe = parse_recipe(data)
+    assert trainer_settings(recipe, recipe.stages[0]).kernels == "reference"
+    apply_override(data, "model.kernels=cuda")
+    [line] = errors_of(data)
+    assert line.startswith("model.kernels: ") and "'auto', 'triton' or 'reference'" in line

@@ -1,4 +1,8 @@
-"""Chunked fp32 LM-head log-probabilities and entropy vs the full log_softmax (values and gradients)."""
+"""Chunked fp32 LM-head log-probabilities and entropy vs the full log_softmax (values and gradients).
+
+These run the model's entry point with the default backend (the reference on CPU); the Triton
+kernel's parity with it is tested in zrl/moepp/kernels/lm_logprobs/test_lm_logprobs.py.
+"""
 
 import math
 
@@ -6,6 +10,7 @@ import pytest
 import torch
 
 from moepp_testlib import ours_from_reference, random_reference
+from zrl.moepp.kernels.lm_logprobs import token_logprobs
 from zrl.moepp.logprobs import chunked_token_logprobs, default_chunk_tokens
 
 T, D, V = 11, 8, 37
@@ -75,6 +80,11 @@ def test_bf16_inputs_computed_in_fp32():
     torch.testing.assert_close(lp, lp_ref, rtol=1e-6, atol=1e-6)
     lp.sum().backward()
     assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+
+
+def test_model_entry_point_is_the_kernel_dispatcher():
+    # one implementation: the model's name for the op is the dispatcher of zrl.moepp.kernels.lm_logprobs
+    assert chunked_token_logprobs is token_logprobs
 
 
 def test_default_chunk_keeps_logits_block_small():

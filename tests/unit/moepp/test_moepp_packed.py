@@ -36,15 +36,14 @@ def test_cu_seqlens_from_position_ids_hand_values():
 
 
 def test_layout_hand_values():
-    layout = build_layout(6, device=torch.device("cpu"), conv_padding=2, cu_seqlens=torch.tensor([0, 2, 2, 3, 6]))
+    layout = build_layout(6, device=torch.device("cpu"), cu_seqlens=torch.tensor([0, 2, 2, 3, 6]))
     assert layout.seq_lens == (2, 1, 3)  # the empty document is dropped
     assert layout.cu_seqlens.tolist() == [0, 2, 3, 6]
     assert layout.positions.tolist() == [0, 1, 0, 0, 1, 2]
     assert layout.doc_start.tolist() == [True, False, True, True, False, False]
-    # token t of document n sits at t + P (n + 1) in the stream with P zeros before each document
-    assert layout.conv_index.tolist() == [2, 3, 6, 9, 10, 11]
+    assert layout.doc_offset.tolist() == [0, 1, 0, 0, 1, 2]
     assert layout.uniform_seq_len is None
-    rows = build_layout(6, device=torch.device("cpu"), conv_padding=1, row_length=3)
+    rows = build_layout(6, device=torch.device("cpu"), row_length=3)
     assert rows.seq_lens == (3, 3) and rows.uniform_seq_len == 3
 
 
@@ -52,7 +51,7 @@ def test_layout_hand_values():
                                        ([0, 4, 2, 6], "non-decreasing")])
 def test_layout_rejects_bad_boundaries(cu, match):
     with pytest.raises(ValueError, match=match):
-        build_layout(6, device=torch.device("cpu"), conv_padding=2, cu_seqlens=torch.tensor(cu))
+        build_layout(6, device=torch.device("cpu"), cu_seqlens=torch.tensor(cu))
 
 
 def test_partial_rope_hand_values():
@@ -75,7 +74,7 @@ def test_cca_projection_restarts_at_document_boundaries():
     proj: CCAProjection = ours_from_reference(ref).layers[1].self_attn.qkv_proj
     cfg = config_of(ref)
     x = torch.randn(sum(DOC_LENS), cfg.hidden_size, generator=torch.Generator().manual_seed(1))
-    layout = build_layout(x.shape[0], device=x.device, conv_padding=proj.conv_history, cu_seqlens=cu_of(DOC_LENS))
+    layout = build_layout(x.shape[0], device=x.device, cu_seqlens=cu_of(DOC_LENS))
     q, k, v = proj(x, layout)
     hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     for xd, qd, kd, vd in zip(x.split(DOC_LENS), q.split(DOC_LENS), k.split(DOC_LENS), v.split(DOC_LENS)):

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from moepp_testlib import ours_from_reference, random_reference, relative_error
+from zrl.moepp import attention
+from zrl.moepp.kernels.cca import cca_precondition
 from zrl.moepp.precision import FP32_OPS, Fp32Op
 
 # Tiny configs that move every part: GQA/MQA, attention biases (value bias at document starts),
@@ -71,7 +73,7 @@ def test_fp32_op_set_is_the_documented_one():
     assert FP32_OPS == frozenset(Fp32Op)
 
 
-def test_bf16_mode_keeps_fp32_ops():
+def test_bf16_mode_keeps_fp32_ops(monkeypatch):
     ref = random_reference(**CONFIGS["gqa"])
     fp32 = ours_from_reference(ref)
     bf16 = ours_from_reference(ref).to(torch.bfloat16)
@@ -90,7 +92,13 @@ def test_bf16_mode_keeps_fp32_ops():
     for i, layer in enumerate(bf16.layers):
         layer.register_forward_hook(record(i))
     q_dtypes = []
-    bf16.layers[0].self_attn.qk_norm.register_forward_hook(lambda m, a, out: q_dtypes.append(out[0].dtype))
+
+    def recording_precondition(*args):
+        q, k = cca_precondition(*args)
+        q_dtypes.append(q.dtype)
+        return q, k
+
+    monkeypatch.setattr(attention, "cca_precondition", recording_precondition)
 
     ids = tokens(0, (2, 29))
     with torch.no_grad():
@@ -100,7 +108,7 @@ def test_bf16_mode_keeps_fp32_ops():
     assert out.logits.dtype == torch.float32
     # residual stream fp32, gate (router softmax) fp32, router latent in the compute dtype
     assert set(seen.values()) == {(torch.float32, torch.float32, torch.bfloat16)}
-    assert q_dtypes == [torch.float32]
+    assert q_dtypes == [torch.float32] * (2 * len(bf16.layers))  # every layer of both models
     # bf16 rounding through 3-4 random layers: measured 0.8e-2 .. 1.4e-2 relative on the logits.
     assert relative_error(out.logits, expected.logits) < 5e-2
 

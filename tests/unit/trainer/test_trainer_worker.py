@@ -122,6 +122,8 @@ def test_start_stage_keeps_or_drops_adamw_moments(tiny_checkpoint, single_rank):
     assert not worker.optimizer.state_dict()["state"]
     with pytest.raises(ValueError, match="param_dtype"):
         worker.start_stage(settings(param_dtype="bfloat16"))
+    with pytest.raises(ValueError, match="kernels"):
+        worker.start_stage(settings(kernels="reference"))
 
 
 def test_settings_from_stage():
@@ -137,6 +139,8 @@ def test_settings_from_stage():
     assert s.replay and not s.algorithm.router_bias_update
     with pytest.raises(ValueError, match="param_dtype"):
         TrainerSettings(param_dtype="float16")
+    with pytest.raises(ValueError, match="kernels must be one of auto, triton, reference"):
+        TrainerSettings(kernels="cuda")
 
 
 def test_rendezvous_validation():

@@ -1,0 +1,43 @@
+"""CCA preconditioner: mean skip + two causal convolutions + QK-norm + temperature + partial RoPE.
+
+`cca_precondition` is the one entry point the model calls; it runs the fused Triton kernel
+(triton_kernel.py) when the kernel backend resolves to Triton for `q` and the shapes suit its tiles
+(head_dim a power of two >= 16, rotary_dim / 2 a power of two or rotary_dim 0), and the PyTorch
+reference (reference.py, the definition) otherwise. With the backend forced to "triton", shapes the
+kernel cannot take raise instead of falling back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zrl.moepp.kernels import get_backend, use_triton
+from zrl.moepp.kernels.cca import reference
+
+
+def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor,
+                     gr_weight: torch.Tensor, gr_bias: torch.Tensor, temp: torch.Tensor, doc_offset: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q/k projections -> the q/k that enter attention (T tokens, C = (Hq + Hk) d channels).
+
+    q [T, Hq d], k [T, Hk d]: the projections' outputs (compute dtype).
+    dw_weight [C, 1, k0], dw_bias [C]: depthwise convolution; gr_weight [C, d, k1], gr_bias [C]:
+    grouped convolution (Hq + Hk groups); temp [Hk]: key temperature.
+    doc_offset [T] int64: tokens since the start of each token's document (no look-back past it).
+    cos, sin [T, rotary_dim / 2] fp32 (rotary_dim may be 0): rotate-half RoPE tables.
+    Returns q [T, Hq, d], k [T, Hk, d] fp32. Differentiable w.r.t. q, k, the convolutions' weights and
+    biases and temp (not cos/sin, not doc_offset).
+    """
+    if use_triton(q):
+        from zrl.moepp.kernels.cca import triton_kernel  # lazy: Triton picks interpreter/compiler at import
+
+        reason = triton_kernel.unsupported_reason(num_q_heads, num_kv_heads, head_dim, 2 * cos.shape[-1])
+        if reason is None or get_backend() == "triton":
+            return triton_kernel.cca_precondition(q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset,
+                                                  cos, sin, num_q_heads, num_kv_heads, head_dim)
+    return reference.cca_precondition(q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset, cos, sin,
+                                      num_q_heads, num_kv_heads, head_dim)
+
+
+__all__ = ["cca_precondition"]

@@ -1,0 +1,48 @@
+"""LM head + log-softmax gather: per-token log-probabilities (and entropy) without [T, V] logits.
+
+`token_logprobs` is the public op; it validates its inputs and dispatches (zrl.moepp.kernels) to
+the fused Triton kernels (triton_kernel.py: the vocabulary is streamed in tiles with an online
+log-sum-exp, so no [T, V] block exists in any dtype) or to the chunked PyTorch reference
+(reference.py, the definition: [c, V] fp32 blocks). Both compute the LM head and the log-softmax in
+fp32 (LM_HEAD, LOGPROB of the FP32 op set) and take the same arguments; `chunk_tokens` only sizes the
+reference's blocks (the Triton path never holds more than one [BLOCK_T, BLOCK_V] tile per program).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zrl.moepp.kernels import use_triton
+from zrl.moepp.kernels.lm_logprobs.reference import default_chunk_tokens, token_logprobs_reference
+
+__all__ = ["default_chunk_tokens", "token_logprobs"]
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(hidden @ weight^T)[targets] and optionally the entropy, both [T] fp32.
+
+    hidden [T, D], weight [V, D] (the tied embedding), targets [T] int (< 0 = ignored: logprob 0, no
+    gradient through it; targets >= V are not checked, which would need a host sync). The entropy is
+    returned for monitoring and is also differentiable.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be [T, D] and targets [T], got {tuple(hidden.shape)} and "
+                         f"{tuple(targets.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V, D] with D = {hidden.shape[1]}, got {tuple(weight.shape)}")
+    targets = targets.to(torch.int64)
+    if use_triton(hidden):
+        from zrl.moepp.kernels.lm_logprobs.triton_kernel import token_logprobs_triton
+
+        logprob, entropy = token_logprobs_triton(hidden, weight, targets, with_entropy=with_entropy)
+    else:
+        logprob, entropy = token_logprobs_reference(hidden, weight, targets, chunk_tokens=chunk_tokens,
+                                                    with_entropy=with_entropy)
+    return logprob, (entropy if with_entropy else None)
