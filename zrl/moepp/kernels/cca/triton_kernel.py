@@ -29,6 +29,10 @@ import triton.language as tl
 from zrl.moepp.kernels import interpreting
 
 _EPS = torch.finfo(torch.float32).eps
+# 8 warps (with block_t 32): the fp32 [BLOCK_T, d] x [d, d] dots run on FMA units and keep whole d = 128
+# rows per thread; Triton's default 4 warps at block_t 64 spilled ~70 KB per thread in the forward
+# (sm_90a compile, sm90_check.py), 8 warps at block_t 32 spill 0.2 KB there.
+_NUM_WARPS = 8
 
 
 @triton.jit
@@ -69,9 +73,12 @@ def _forward_y(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gr_w_ptr, gr_b_ptr, ro
     groups: tl.constexpr = HQ // HK
     rmask = (rows < T)[:, None]
     if h < HQ:
+        # h is a program id, so this `if` is a runtime branch: a name assigned in both arms must have one
+        # type in both (kv is fp32 in the else arm), which the interpreter does not check.
         x = tl.load(q_ptr + rows[:, None] * (HQ * D) + h * D + cols[None, :], mask=rmask, other=0.0)
-        kv = tl.load(k_ptr + rows[:, None] * (HK * D) + (h // groups) * D + cols[None, :], mask=rmask, other=0.0)
-        res = (x.to(tl.float32) + kv.to(tl.float32)) * 0.5
+        kv = tl.load(k_ptr + rows[:, None] * (HK * D) + (h // groups) * D + cols[None, :], mask=rmask,
+                     other=0.0).to(tl.float32)
+        res = (x.to(tl.float32) + kv) * 0.5
     else:
         kv = tl.load(k_ptr + rows[:, None] * (HK * D) + (h - HQ) * D + cols[None, :], mask=rmask,
                      other=0.0).to(tl.float32)
@@ -194,8 +201,9 @@ def _bwd_gx_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, gr_w_ptr, gy_ptr, gq_ptr, gk
         tl.store(gq_ptr + rows[:, None] * (HQ * D) + h * D + cols[None, :], gx, mask=rmask)
     else:
         gk_own = tl.load(gy_ptr + rows[:, None] * C + h * D + cols[None, :], mask=rmask, other=0.0) / groups
-        for g in tl.static_range(groups):
-            gq_g = tl.load(gy_ptr + rows[:, None] * C + ((h - HQ) * groups + g) * D + cols[None, :], mask=rmask,
+        # `gi`, not `g`: `g` is a tensor of the loop above, and a runtime-if arm may not retype it.
+        for gi in tl.static_range(groups):
+            gq_g = tl.load(gy_ptr + rows[:, None] * C + ((h - HQ) * groups + gi) * D + cols[None, :], mask=rmask,
                            other=0.0)
             gx += (gq_g + gk_own) * 0.5
         tl.store(gk_ptr + rows[:, None] * (HK * D) + (h - HQ) * D + cols[None, :], gx, mask=rmask)
@@ -259,7 +267,7 @@ class _CCAPrecondition(torch.autograd.Function):
             _fwd_kernel[(triton.cdiv(t, block_t), hq + hk)](
                 q, k, doc_offset, dw_weight, dw_bias, gr_weight, gr_bias, temp, cos, sin, q_out, k_out, t,
                 d ** 0.5, _EPS, HQ=hq, HK=hk, D=d, K0=k0, K1=k1, HALF=half, BLOCK_T=block_t,
-                DOT_PRECISION=dot_precision)
+                DOT_PRECISION=dot_precision, num_warps=_NUM_WARPS)
         ctx.save_for_backward(q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset, cos, sin)
         ctx.config = (hq, hk, d, block_t, tokens_per_split, dot_precision)
         return q_out, k_out
@@ -284,7 +292,8 @@ class _CCAPrecondition(torch.autograd.Function):
         gw0_part = torch.empty((blocks, channels, k0), **f32)
         gw1_part = torch.empty((splits, channels, d, k1), **f32)
         g_q, g_k = torch.empty_like(q), torch.empty_like(k)
-        consts = dict(HQ=hq, HK=hk, D=d, K0=k0, K1=k1, BLOCK_T=block_t, DOT_PRECISION=dot_precision)
+        consts = dict(HQ=hq, HK=hk, D=d, K0=k0, K1=k1, BLOCK_T=block_t, DOT_PRECISION=dot_precision,
+                      num_warps=_NUM_WARPS)
         if t:
             _bwd_gy_kernel[(blocks, heads)](
                 q, k, doc_offset, dw_weight, dw_bias, gr_weight, gr_bias, temp, cos, sin, g_q_out, g_k_out, gy,
@@ -303,7 +312,7 @@ class _CCAPrecondition(torch.autograd.Function):
 def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor,
                      gr_weight: torch.Tensor, gr_bias: torch.Tensor, temp: torch.Tensor, doc_offset: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
-                     block_t: int = 64, tokens_per_split: int = 4096,
+                     block_t: int = 32, tokens_per_split: int = 4096,
                      dot_precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of reference.cca_precondition (same arguments and results).
 

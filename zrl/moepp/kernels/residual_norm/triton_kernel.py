@@ -204,7 +204,10 @@ class _ResidualNorm(torch.autograd.Function):
                 g_y.reshape(rows, dim).contiguous() if has_norm_grad else None,
                 grad_b, grad_r, partial, rows, dim,
                 HAS_SCALING=scaling, HAS_NORM=has_norm_grad, HAS_GX=g_x is not None,
-                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_num_warps(block_t * block_d))
+                # Twice the forward's warps for a tile: each thread keeps ten [BLOCK_D] vectors (5 parameters,
+                # 5 partial sums) besides the row tiles. At D = 2048 (block_t 1), 4 warps needed 255 registers
+                # and spilled 52 B in the bf16 scaling + norm case (sm_90a compile, sm90_check.py).
+                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_num_warps(2 * block_t * block_d))
         if not rows:
             partial.zero_()  # no program ran
         if not has_norm_grad:

@@ -35,8 +35,10 @@ import triton.language as tl
 
 from zrl.moepp.kernels.router.reference import REPLAY_SENTINEL
 
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
+# tl.constexpr: a compiled kernel may read a module global only as a constexpr (plain floats raise
+# NameError at compile time; the interpreter accepts them, so only an sm_90a compile catches it).
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 @triton.jit
@@ -208,7 +210,7 @@ def _blocks(r_size: int, num_classes: int, block_t: int, block_k: int) -> dict[s
 class _Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
-                balancing_biases, replay, eps, block_t, block_k, num_warps):
+                balancing_biases, replay, eps, block_t, block_k, num_warps, num_stages):
         t, r_size = r.shape
         num_classes = out_weight.shape[0]
         r = r if r.stride(-1) == 1 else r.contiguous()
@@ -224,9 +226,10 @@ class _Route(torch.autograd.Function):
                 r, *weights, balancing_biases.contiguous(), replay.contiguous() if replay is not None else chosen,
                 gate, chosen, native, t, r_size, num_classes, r.stride(0), eps,
                 HAS_REPLAY=replay is not None, SENTINEL=REPLAY_SENTINEL,
-                DOT_PRECISION=_dot_precision(fc1_weight.dtype), num_warps=num_warps, **blocks)
+                DOT_PRECISION=_dot_precision(fc1_weight.dtype), num_warps=num_warps, num_stages=num_stages,
+                **blocks)
         ctx.save_for_backward(r, *weights, chosen)
-        ctx.eps, ctx.blocks, ctx.num_warps = eps, blocks, num_warps
+        ctx.eps, ctx.blocks, ctx.num_warps, ctx.num_stages = eps, blocks, num_warps, num_stages
         ctx.mark_non_differentiable(chosen, native)
         return gate, chosen, native
 
@@ -254,7 +257,8 @@ class _Route(torch.autograd.Function):
                 grad_gate.contiguous().float(), grad_r, xn, h1, h2, dz1, dz2, dlogits, dnw_part, db1_part,
                 db2_part,
                 t, r_size, num_classes, r.stride(0), grad_r.stride(0), ctx.eps,
-                DOT_PRECISION=_dot_precision(cdtype), num_warps=ctx.num_warps, **blocks)
+                DOT_PRECISION=_dot_precision(cdtype), num_warps=ctx.num_warps, num_stages=ctx.num_stages,
+                **blocks)
         need = ctx.needs_input_grad
         grads = (
             grad_r if need[0] else None,
@@ -265,16 +269,25 @@ class _Route(torch.autograd.Function):
             db2_part.sum(0).to(fc2_bias.dtype) if need[5] else None,  # [R]
             dlogits.t() @ h2 if need[6] else None,  # [C, R]
         )
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def route(r: torch.Tensor, norm_weight: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor,
           fc2_weight: torch.Tensor, fc2_bias: torch.Tensor, out_weight: torch.Tensor,
           balancing_biases: torch.Tensor, replay: torch.Tensor | None, eps: float, *,
-          block_t: int = 32, block_k: int = 64, num_warps: int = 8,
+          block_t: int = 32, block_k: int | None = None, num_warps: int = 8,
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused router head (see reference.route for the definition). Block sizes: tokens per
-    program and fc1 features per chunk (powers of two, >= 16)."""
+    program and fc1 features per chunk (powers of two, >= 16; block_k defaults by dtype).
+
+    fp32 weights get block_k 16 and 2 pipeline stages: fp32 dots run on FMA units (no tensor cores),
+    and with bf16's 64 / 3 stages the sm_90a compile asked 296 KiB (forward) and 456 KiB (backward) of
+    shared memory, over the 227 KiB limit, and spilled tens of KB; at 16 / 2 it needs 66 / 114 KiB and
+    spills 0 / 0.8 KB (sm90_check.py)."""
+    fp32 = fc1_weight.dtype == torch.float32
+    if block_k is None:
+        block_k = 16 if fp32 else 64
+    num_stages = 2 if fp32 else 3
     if not fc1_weight.dtype == fc2_weight.dtype == out_weight.dtype:
         raise ValueError(f"the fused router needs fc1, fc2 and out weights of one dtype, got "
                          f"{fc1_weight.dtype}, {fc2_weight.dtype}, {out_weight.dtype}")
@@ -282,4 +295,4 @@ def route(r: torch.Tensor, norm_weight: torch.Tensor, fc1_weight: torch.Tensor, 
         if block < 16 or block & (block - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot tiles), got {block}")
     return _Route.apply(r, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
-                        balancing_biases, replay, eps, block_t, block_k, num_warps)
+                        balancing_biases, replay, eps, block_t, block_k, num_warps, num_stages)
