@@ -3,8 +3,8 @@
 The check (sm90_check.py) drives each launcher on meta tensors at the ZAYA1-8B shapes and compiles
 every launch it records with Triton's bundled ptxas. It runs in a subprocess whose environment has no
 TRITON_INTERPRET: this folder's conftest sets it in the pytest process, and a kernel decorated under
-it is an interpreted function that cannot be compiled. 52 launches, ~75 s on 2 shared cores (the CCA
-backward kernels dominate), hence `slow`.
+it is an interpreted function that cannot be compiled. 52 launches, ~60 s on 2 shared cores,
+hence `slow`.
 """
 
 import json
@@ -25,12 +25,8 @@ KNOWN_SPILLS: dict[tuple[str, str], int] = {
     ("router._route_bwd", "fp32 [fp32,i64] DOT_PRECISION=ieee"): 776,
     ("cca._fwd_kernel", "bf16 q/k [bf16,fp32,i64] DOT_PRECISION=ieee"): 464,
     ("cca._bwd_gy_kernel", "bf16 q/k [bf16,fp32,i64] DOT_PRECISION=ieee"): 220,
-    ("cca._bwd_gx_kernel", "bf16 q/k [bf16,fp32,i64] DOT_PRECISION=ieee"): 60152,
-    ("cca._bwd_gw1_kernel", "bf16 q/k [bf16,fp32,i64] DOT_PRECISION=ieee"): 19316,
     ("cca._fwd_kernel", "fp32 q/k [fp32,i64] DOT_PRECISION=ieee"): 432,
     ("cca._bwd_gy_kernel", "fp32 q/k [fp32,i64] DOT_PRECISION=ieee"): 364,
-    ("cca._bwd_gx_kernel", "fp32 q/k [fp32,i64] DOT_PRECISION=ieee"): 59680,
-    ("cca._bwd_gw1_kernel", "fp32 q/k [fp32,i64] DOT_PRECISION=ieee"): 19116,
     ("lm_logprobs._grad_hidden_kernel", "fp32 hidden, bf16 W [bf16,fp32,i64] HAS_ENTROPY=0 FP32=1 PRECISION=ieee"): 320,
     ("lm_logprobs._grad_hidden_kernel", "fp32 hidden, bf16 W [bf16,fp32,i64] HAS_ENTROPY=1 FP32=1 PRECISION=ieee"): 332,
     ("lm_logprobs._grad_weight_kernel", "fp32 hidden, bf16 W [bf16,fp32,i64] HAS_ENTROPY=1 FP32=1 PRECISION=ieee"): 8,

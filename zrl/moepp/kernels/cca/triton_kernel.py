@@ -14,8 +14,10 @@ Backward (nothing but the inputs is saved; the kernels recompute):
   _bwd_gy   recompute y, undo RoPE, QK-norm and temperature: gy [T, C] fp32 (scratch) and per-block
             partial sums of gb1 [C] and g_temp [Hk]
   _bwd_gx   g_h1(t + a) = sum_tau gy(t + a + k1 - 1 - tau) W1_tau (k0 k1 products per block),
-            gx = sum_a w0[:, k0 - 1 - a] g_h1(t + a) + mean-skip terms; per-block partial gw0 [C, k0]
-  _bwd_gw1  gW1_tau = sum_t gy(t)^T h1(t - (k1 - 1 - tau)): split-T GEMM, one partial per split
+            gx = sum_a w0[:, k0 - 1 - a] g_h1(t + a) + mean-skip terms; per-block partial gw0 [C, k0];
+            one BLOCK_C-column slice of g_h1 / gx at a time (a loop in the program)
+  _bwd_gw1  gW1_tau = sum_t gy(t)^T h1(t - (k1 - 1 - tau)): split-T GEMM, one partial per split, one
+            BLOCK_C-column slice of gW1_tau per program
 Weight gradients are per-program partials summed by torch afterwards (deterministic, no atomics);
 gb0 = sum_tau W1_tau^T gb1 in closed form (every h1, real or before the start, carries b0 once).
 """
@@ -31,7 +33,8 @@ from zrl.moepp.kernels import interpreting
 _EPS = torch.finfo(torch.float32).eps
 # 8 warps (with block_t 32): the fp32 [BLOCK_T, d] x [d, d] dots run on FMA units and keep whole d = 128
 # rows per thread; Triton's default 4 warps at block_t 64 spilled ~70 KB per thread in the forward
-# (sm_90a compile, sm90_check.py), 8 warps at block_t 32 spill 0.2 KB there.
+# (sm_90a compile, sm90_check.py), 8 warps at block_t 32 spill 0.2 KB there. The backward's d x d
+# products go by BLOCK_C = 32 output columns at 8 warps: 0 spills (4 warps spilled 1-3 KB, BLOCK_C 64 2-24 KB).
 _NUM_WARPS = 8
 
 
@@ -51,8 +54,9 @@ def _load_x(q_ptr, k_ptr, off_ptr, rows, cols, lag, h, T, HQ: tl.constexpr, HK: 
 @triton.jit
 def _h1(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, rows, cols, m, h, T, HQ: tl.constexpr, HK: tl.constexpr,
         D: tl.constexpr, K0: tl.constexpr):
-    """Depthwise-conv output at rows - m for head h [BLOCK_T, D] (b0 alone before the start)."""
-    h1 = tl.zeros((rows.shape[0], D), tl.float32) + tl.load(dw_b_ptr + h * D + cols)[None, :]
+    """Depthwise-conv output at rows - m for head h, channels `cols` of it [BLOCK_T, len(cols)] (b0 alone
+    before the start)."""
+    h1 = tl.zeros((rows.shape[0], cols.shape[0]), tl.float32) + tl.load(dw_b_ptr + h * D + cols)[None, :]
     for j in tl.static_range(K0):
         w = tl.load(dw_w_ptr + (h * D + cols) * K0 + j)  # [D]
         h1 += w[None, :] * _load_x(q_ptr, k_ptr, off_ptr, rows, cols, m + K0 - 1 - j, h, T, HQ, HK, D)
@@ -168,64 +172,71 @@ def _bwd_gy_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gr_w_ptr, gr_b_ptr
 @triton.jit
 def _bwd_gx_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, gr_w_ptr, gy_ptr, gq_ptr, gk_ptr, gw0_part_ptr, T,
                    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
-                   BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr):
     h = tl.program_id(1)
     block = tl.program_id(0)
     rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, D)
+    cols = tl.arange(0, D)  # o, the contraction index of gy W1_tau
     C: tl.constexpr = (HQ + HK) * D
     rmask = (rows < T)[:, None]
-    gx = tl.zeros((BLOCK_T, D), tl.float32)
-    for a in tl.static_range(K0):
-        gh1 = tl.zeros((BLOCK_T, D), tl.float32)  # g_h1(rows + a)
-        for tau in tl.static_range(K1):
-            lead = a + K1 - 1 - tau
-            src = rows + lead
-            off = tl.load(off_ptr + src, mask=src < T, other=-1)
-            ok = ((src < T) & (off >= lead))[:, None]  # rows + lead is still in the row's document
-            g = tl.load(gy_ptr + src[:, None] * C + h * D + cols[None, :], mask=ok, other=0.0)
-            # W1_tau [o, c] = gr_weight[h d + o, c, tau]
-            w1 = tl.load(gr_w_ptr + (h * D + cols[:, None]) * (D * K1) + cols[None, :] * K1 + tau)
-            gh1 = tl.dot(g, w1, gh1, input_precision=DOT_PRECISION)
-        gx += tl.load(dw_w_ptr + (h * D + cols) * K0 + K0 - 1 - a)[None, :] * gh1
-        if a == 0:
-            for j in tl.static_range(K0):
-                x = _load_x(q_ptr, k_ptr, off_ptr, rows, cols, K0 - 1 - j, h, T, HQ, HK, D)
-                tl.store(gw0_part_ptr + (block * C + h * D + cols) * K0 + j, tl.sum(gh1 * x, axis=0))
     groups: tl.constexpr = HQ // HK
-    if h < HQ:
-        gq_own = tl.load(gy_ptr + rows[:, None] * C + h * D + cols[None, :], mask=rmask, other=0.0)
-        gk_grp = tl.load(gy_ptr + rows[:, None] * C + (HQ + h // groups) * D + cols[None, :], mask=rmask,
-                         other=0.0)
-        gx += (gq_own + gk_grp / groups) * 0.5
-        tl.store(gq_ptr + rows[:, None] * (HQ * D) + h * D + cols[None, :], gx, mask=rmask)
-    else:
-        gk_own = tl.load(gy_ptr + rows[:, None] * C + h * D + cols[None, :], mask=rmask, other=0.0) / groups
-        # `gi`, not `g`: `g` is a tensor of the loop above, and a runtime-if arm may not retype it.
-        for gi in tl.static_range(groups):
-            gq_g = tl.load(gy_ptr + rows[:, None] * C + ((h - HQ) * groups + gi) * D + cols[None, :], mask=rmask,
-                           other=0.0)
-            gx += (gq_g + gk_own) * 0.5
-        tl.store(gk_ptr + rows[:, None] * (HK * D) + (h - HQ) * D + cols[None, :], gx, mask=rmask)
+    # One [BLOCK_T, BLOCK_C] slice of gx at a time (a runtime loop, so it is not unrolled): only that slice's
+    # accumulators and a [d, BLOCK_C] slice of W1_tau are live. Whole [d, d] tiles spilled ~60 KB per thread
+    # on sm_90a (fp32 IEEE dots run on the FMA units and hold operands in registers).
+    for c0 in range(0, D, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)  # channels c of this slice
+        gx = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
+        for a in tl.static_range(K0):
+            gh1 = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)  # g_h1(rows + a)[:, cc]
+            for tau in tl.static_range(K1):
+                lead = a + K1 - 1 - tau
+                src = rows + lead
+                off = tl.load(off_ptr + src, mask=src < T, other=-1)
+                ok = ((src < T) & (off >= lead))[:, None]  # rows + lead is still in the row's document
+                g = tl.load(gy_ptr + src[:, None] * C + h * D + cols[None, :], mask=ok, other=0.0)  # [BLOCK_T, D]
+                # W1_tau [o, c] = gr_weight[h d + o, c, tau]
+                w1 = tl.load(gr_w_ptr + (h * D + cols[:, None]) * (D * K1) + cc[None, :] * K1 + tau)
+                gh1 = tl.dot(g, w1, gh1, input_precision=DOT_PRECISION)
+            gx += tl.load(dw_w_ptr + (h * D + cc) * K0 + K0 - 1 - a)[None, :] * gh1
+            if a == 0:
+                for j in tl.static_range(K0):
+                    x = _load_x(q_ptr, k_ptr, off_ptr, rows, cc, K0 - 1 - j, h, T, HQ, HK, D)
+                    tl.store(gw0_part_ptr + (block * C + h * D + cc) * K0 + j, tl.sum(gh1 * x, axis=0))
+        if h < HQ:
+            gq_own = tl.load(gy_ptr + rows[:, None] * C + h * D + cc[None, :], mask=rmask, other=0.0)
+            gk_grp = tl.load(gy_ptr + rows[:, None] * C + (HQ + h // groups) * D + cc[None, :], mask=rmask,
+                             other=0.0)
+            gx += (gq_own + gk_grp / groups) * 0.5
+            tl.store(gq_ptr + rows[:, None] * (HQ * D) + h * D + cc[None, :], gx, mask=rmask)
+        else:
+            gk_own = tl.load(gy_ptr + rows[:, None] * C + h * D + cc[None, :], mask=rmask, other=0.0) / groups
+            # `gi`, not `g`: `g` is a tensor of the loop above, and a runtime-if arm may not retype it.
+            for gi in tl.static_range(groups):
+                gq_g = tl.load(gy_ptr + rows[:, None] * C + ((h - HQ) * groups + gi) * D + cc[None, :],
+                               mask=rmask, other=0.0)
+                gx += (gq_g + gk_own) * 0.5
+            tl.store(gk_ptr + rows[:, None] * (HK * D) + (h - HQ) * D + cc[None, :], gx, mask=rmask)
 
 
 @triton.jit
 def _bwd_gw1_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gy_ptr, gw1_part_ptr, T, tokens_per_split,
                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
-                    BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr):
     split = tl.program_id(0)
     h = tl.program_id(1)
-    tau = tl.program_id(2)
+    tau = tl.program_id(2) % K1
+    cc = tl.program_id(2) // K1 * BLOCK_C + tl.arange(0, BLOCK_C)  # this program's columns c of gW1_tau
     cols = tl.arange(0, D)
     C: tl.constexpr = (HQ + HK) * D
-    acc = tl.zeros((D, D), tl.float32)  # [o, c]
+    # A [d, BLOCK_C] column slice per program: a whole [d, d] accumulator spilled ~19 KB per thread on sm_90a.
+    acc = tl.zeros((D, BLOCK_C), tl.float32)  # [o, c]
     start = split * tokens_per_split
     for t0 in range(start, tl.minimum(start + tokens_per_split, T), BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         g = tl.load(gy_ptr + rows[:, None] * C + h * D + cols[None, :], mask=(rows < T)[:, None], other=0.0)
-        h1 = _h1(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, rows, cols, K1 - 1 - tau, h, T, HQ, HK, D, K0)
+        h1 = _h1(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, rows, cc, K1 - 1 - tau, h, T, HQ, HK, D, K0)
         acc = tl.dot(tl.trans(g), h1, acc, input_precision=DOT_PRECISION)
-    tl.store(gw1_part_ptr + ((split * C + h * D + cols[:, None]) * D + cols[None, :]) * K1 + tau, acc)
+    tl.store(gw1_part_ptr + ((split * C + h * D + cols[:, None]) * D + cc[None, :]) * K1 + tau, acc)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -256,7 +267,7 @@ def unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int, rotar
 class _CCAPrecondition(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset, cos, sin, num_q_heads,
-                num_kv_heads, head_dim, block_t, tokens_per_split, dot_precision):
+                num_kv_heads, head_dim, block_t, block_c, tokens_per_split, dot_precision):
         t = q.shape[0]
         hq, hk, d = num_q_heads, num_kv_heads, head_dim
         half = cos.shape[-1]
@@ -269,13 +280,13 @@ class _CCAPrecondition(torch.autograd.Function):
                 d ** 0.5, _EPS, HQ=hq, HK=hk, D=d, K0=k0, K1=k1, HALF=half, BLOCK_T=block_t,
                 DOT_PRECISION=dot_precision, num_warps=_NUM_WARPS)
         ctx.save_for_backward(q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset, cos, sin)
-        ctx.config = (hq, hk, d, block_t, tokens_per_split, dot_precision)
+        ctx.config = (hq, hk, d, block_t, block_c, tokens_per_split, dot_precision)
         return q_out, k_out
 
     @staticmethod
     def backward(ctx, g_q_out, g_k_out):
         q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset, cos, sin = ctx.saved_tensors
-        hq, hk, d, block_t, tokens_per_split, dot_precision = ctx.config
+        hq, hk, d, block_t, block_c, tokens_per_split, dot_precision = ctx.config
         t, channels, heads = q.shape[0], (hq + hk) * d, hq + hk
         half = cos.shape[-1]
         k0, k1 = dw_weight.shape[-1], gr_weight.shape[-1]
@@ -294,40 +305,45 @@ class _CCAPrecondition(torch.autograd.Function):
         g_q, g_k = torch.empty_like(q), torch.empty_like(k)
         consts = dict(HQ=hq, HK=hk, D=d, K0=k0, K1=k1, BLOCK_T=block_t, DOT_PRECISION=dot_precision,
                       num_warps=_NUM_WARPS)
+        block_c = min(block_c, d)
+        sliced = dict(consts, BLOCK_C=block_c)
         if t:
             _bwd_gy_kernel[(blocks, heads)](
                 q, k, doc_offset, dw_weight, dw_bias, gr_weight, gr_bias, temp, cos, sin, g_q_out, g_k_out, gy,
                 gb1_part, gtemp_part, t, d ** 0.5, _EPS, HALF=half, **consts)
             _bwd_gx_kernel[(blocks, heads)](q, k, doc_offset, dw_weight, gr_weight, gy, g_q, g_k, gw0_part, t,
-                                            **consts)
-            _bwd_gw1_kernel[(splits, heads, k1)](q, k, doc_offset, dw_weight, dw_bias, gy, gw1_part, t,
-                                                 tokens_per_split, **consts)
+                                            **sliced)
+            _bwd_gw1_kernel[(splits, heads, k1 * (d // block_c))](q, k, doc_offset, dw_weight, dw_bias, gy,
+                                                                  gw1_part, t, tokens_per_split, **sliced)
         gb1 = gb1_part.sum(0)  # [C]
         # every h1 (also the ones before a document start) carries b0 once into each of the k1 taps
         gb0 = torch.einsum("hoct,ho->hc", gr_weight.view(heads, d, d, k1), gb1.view(heads, d)).reshape(channels)
         return (g_q, g_k, gw0_part.sum(0).view_as(dw_weight), gb0, gw1_part.sum(0), gb1, gtemp_part.sum(0),
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor,
                      gr_weight: torch.Tensor, gr_bias: torch.Tensor, temp: torch.Tensor, doc_offset: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
-                     block_t: int = 32, tokens_per_split: int = 4096,
+                     block_t: int = 32, block_c: int = 32, tokens_per_split: int = 4096,
                      dot_precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of reference.cca_precondition (same arguments and results).
 
-    block_t: tokens per program (power of two); tokens_per_split: tokens per partial of gr_weight's
+    block_t: tokens per program (power of two); block_c: output columns per d x d product slice in the
+    backward (power of two >= 16, capped at d); tokens_per_split: tokens per partial of gr_weight's
     gradient (a multiple of block_t); dot_precision: tl.dot input precision of the fp32 grouped-conv
     products, "ieee" by default (fp32 parity; "tf32x3" is the faster near-fp32 alternative on GPU).
     """
     _check(q, k, num_q_heads, num_kv_heads, head_dim, cos.shape[-1])
     if tokens_per_split % block_t:
         raise ValueError(f"tokens_per_split {tokens_per_split} must be a multiple of block_t {block_t}")
+    if block_c < 16 or block_c & (block_c - 1):
+        raise ValueError(f"block_c must be a power of two >= 16 (tl.dot tiles), got {block_c}")
     if interpreting():
         dot_precision = "ieee"  # the interpreter multiplies in plain fp32 whatever is asked
     # The fp32 casts are autograd ops: gradients return to the parameters in their own dtype.
     f32 = [p.to(torch.float32).contiguous() for p in (dw_weight, dw_bias, gr_weight, gr_bias, temp)]
     return _CCAPrecondition.apply(
         q.contiguous(), k.contiguous(), *f32, doc_offset.contiguous(), cos.to(torch.float32).contiguous(),
-        sin.to(torch.float32).contiguous(), num_q_heads, num_kv_heads, head_dim, block_t, tokens_per_split,
-        dot_precision)
+        sin.to(torch.float32).contiguous(), num_q_heads, num_kv_heads, head_dim, block_t, block_c,
+        tokens_per_split, dot_precision)
