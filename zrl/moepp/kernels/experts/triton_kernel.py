@@ -89,9 +89,10 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(tile_start_ptr, row_start_ptr, pid_m, E: tl.constexpr, E_PAD: tl.constexpr,
-              BLOCK_M: tl.constexpr):
-    """(expert, first row, end row) of row tile `pid_m`; caller has checked pid_m < total tiles."""
+def _row_col_tile(tile_start_ptr, row_start_ptr, pid_m, N, E: tl.constexpr, E_PAD: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(expert, rows [BM], row_ok, cols [BN], col_ok) of this program: row tile `pid_m` (the caller has
+    checked pid_m < total tiles), column tile program_id(1) of N columns."""
     idx = tl.arange(0, E_PAD)
     starts = tl.load(tile_start_ptr + idx, mask=idx < E, other=2147483647)
     # The owner is the last expert whose first tile is <= pid_m (empty experts share a start).
@@ -99,7 +100,37 @@ def _row_tile(tile_start_ptr, row_start_ptr, pid_m, E: tl.constexpr, E_PAD: tl.c
     row0 = tl.load(row_start_ptr + expert) + (pid_m - tl.load(tile_start_ptr + expert)) * BLOCK_M
     row_end = tl.load(row_start_ptr + expert + 1)
     # int64 row offsets: rows * 2F overflows int32 beyond ~2^31 / 2F rows.
-    return expert.to(tl.int64), row0.to(tl.int64), row_end
+    rows = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert.to(tl.int64), rows, rows < row_end, cols, cols < N
+
+
+@triton.jit
+def _w_tile(w_base, cols, col_ok, ks, k_ok, stride_wn, stride_wk):
+    """w_e[cols, ks]^T: [BK, BN], zeros outside (cols, ks)."""
+    return tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
+                   mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _a_tile(a_ptr, a_rows, row_ok, ks, k_ok, stride_a, dtype: tl.constexpr):
+    """a[a_rows, ks] (unit column stride) cast to the dot's operand dtype: [rows, ks], zeros outside."""
+    return tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+                   mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(dtype)
+
+
+@triton.jit
+def _rows_times_w(a_ptr, a_rows, row_ok, stride_a, w_base, cols, col_ok, stride_wn, stride_wk, K,
+                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """The row-GEMM main loop: acc[m, n] = sum_k a[a_rows[m], k] w_e[cols[n], k], fp32 [BM, BN]."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        w = _w_tile(w_base, cols, col_ok, ks, k_ok, stride_wn, stride_wk)  # [BK, BN]
+        acc = _mma(_a_tile(a_ptr, a_rows, row_ok, ks, k_ok, stride_a, w.dtype), w, acc, IEEE)
+    return acc
 
 
 @triton.jit
@@ -110,27 +141,21 @@ def _gate_up_fwd_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """act[r, f] = gate[t] * silu(g) * u, [g; u] = gate_up_e x[t], for rows r of expert e, t = order[r]."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     if pid_m >= tl.load(tile_start_ptr + E):
         return
-    expert, row0, row_end = _row_tile(tile_start_ptr, row_start_ptr, pid_m, E, E_PAD, BLOCK_M)
-    rows = row0 + tl.arange(0, BLOCK_M)  # [BM]
-    row_ok = rows < row_end
+    expert, rows, row_ok, cols, col_ok = _row_col_tile(  # [BM], [BN] in F
+        tile_start_ptr, row_start_ptr, pid_m, F, E, E_PAD, BLOCK_M, BLOCK_N)
     tokens = tl.load(order_ptr + rows, mask=row_ok, other=0)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] in F
-    col_ok = cols < F
     w_base = w_ptr + expert * stride_we
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Not _rows_times_w twice: both weight tiles share one x tile per step.
     for k0 in range(0, D, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < D
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        w_g = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=w_mask, other=0.0)
-        w_u = tl.load(w_base + (cols[None, :] + F) * stride_wn + ks[:, None] * stride_wk, mask=w_mask,
-                      other=0.0)  # [BK, BN]
-        xt = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :],
-                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(w_g.dtype)  # [BM, BK]
+        w_g = _w_tile(w_base, cols, col_ok, ks, k_ok, stride_wn, stride_wk)  # [BK, BN]
+        w_u = _w_tile(w_base, cols + F, col_ok, ks, k_ok, stride_wn, stride_wk)
+        xt = _a_tile(x_ptr, tokens, row_ok, ks, k_ok, stride_x, w_g.dtype)  # [BM, BK]
         acc_g = _mma(xt, w_g, acc_g, IEEE)
         acc_u = _mma(xt, w_u, acc_u, IEEE)
     g = acc_g.to(act_ptr.dtype.element_ty)
@@ -155,24 +180,12 @@ def _row_gemm_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[order[r], n] = sum_k a[r, k] w[e, n, k] for rows r of expert e (fp32 accumulation)."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     if pid_m >= tl.load(tile_start_ptr + E):
         return
-    expert, row0, row_end = _row_tile(tile_start_ptr, row_start_ptr, pid_m, E, E_PAD, BLOCK_M)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    w_base = w_ptr + expert * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN]
-        a = tl.load(a_ptr + rows[:, None] * stride_a + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(w.dtype)  # [BM, BK]
-        acc = _mma(a, w, acc, IEEE)
+    expert, rows, row_ok, cols, col_ok = _row_col_tile(  # [BM], [BN]
+        tile_start_ptr, row_start_ptr, pid_m, N, E, E_PAD, BLOCK_M, BLOCK_N)
+    acc = _rows_times_w(a_ptr, rows, row_ok, stride_a, w_ptr + expert * stride_we, cols, col_ok,
+                        stride_wn, stride_wk, K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # [BM, BN]
     tokens = tl.load(order_ptr + rows, mask=row_ok, other=0)
     tl.store(out_ptr + tokens[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -188,25 +201,13 @@ def _down_bwd_kernel(
     """dA = dy[t] @ down_e (the gradient of the down GEMM's input), then in the epilogue:
     dgate partial = sum_f dA h, dh = gate dA, SwiGLU backward -> dgu, and act = gate h recomputed."""
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     if pid_m >= tl.load(tile_start_ptr + E):
         return
-    expert, row0, row_end = _row_tile(tile_start_ptr, row_start_ptr, pid_m, E, E_PAD, BLOCK_M)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
+    expert, rows, row_ok, cols, col_ok = _row_col_tile(  # [BM], [BN] in F
+        tile_start_ptr, row_start_ptr, pid_m, F, E, E_PAD, BLOCK_M, BLOCK_N)
     tokens = tl.load(order_ptr + rows, mask=row_ok, other=0)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] in F
-    col_ok = cols < F
-    w_base = w_ptr + expert * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < D
-        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN]
-        dy = tl.load(dy_ptr + tokens[:, None] * stride_dy + ks[None, :],
-                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(w.dtype)  # [BM, BK]
-        acc = _mma(dy, w, acc, IEEE)
+    acc = _rows_times_w(dy_ptr, tokens, row_ok, stride_dy, w_ptr + expert * stride_we, cols, col_ok,
+                        stride_wn, stride_wk, D, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)  # [BM, BN] = dA
     mask = row_ok[:, None] & col_ok[None, :]
     gu = rows[:, None] * (2 * F) + cols[None, :]
     g = tl.load(gu_ptr + gu, mask=mask, other=0.0).to(tl.float32)  # masked -> h = 0
@@ -215,7 +216,7 @@ def _down_bwd_kernel(
     sig = tl.sigmoid(g)
     h = g * sig * u
     # One partial per F tile, summed on the device afterwards: deterministic, no atomics.
-    tl.store(dgate_part_ptr + pid_n * T + tokens, tl.sum(acc * h, axis=1), mask=row_ok)
+    tl.store(dgate_part_ptr + tl.program_id(1) * T + tokens, tl.sum(acc * h, axis=1), mask=row_ok)
     dh = acc * gate[:, None]
     dg = dh * u * sig * (1.0 + g * (1.0 - sig))  # silu'(g) = sig (1 + g (1 - sig))
     du = dh * g * sig
@@ -253,10 +254,8 @@ def _wgrad_kernel(
             ia = tokens
         if GATHER_B:
             ib = tokens
-        b = tl.load(b_ptr + ib[:, None] * stride_b + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(out_ptr.dtype.element_ty)  # [BR, BK]
-        a = tl.load(a_ptr + ia[:, None] * stride_a + ns[None, :], mask=row_ok[:, None] & n_ok[None, :],
-                    other=0.0).to(out_ptr.dtype.element_ty)  # [BR, BN]
+        b = _a_tile(b_ptr, ib, row_ok, ks, k_ok, stride_b, out_ptr.dtype.element_ty)  # [BR, BK]
+        a = _a_tile(a_ptr, ia, row_ok, ns, n_ok, stride_a, out_ptr.dtype.element_ty)  # [BR, BN]
         acc = _mma(tl.trans(a), b, acc, IEEE)
     tl.store(out_ptr + expert.to(tl.int64) * stride_oe + ns[:, None] * stride_on + ks[None, :] * stride_ok,
              acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])

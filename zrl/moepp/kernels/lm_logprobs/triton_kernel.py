@@ -40,6 +40,16 @@ _FINITE_MIN = tl.constexpr(-3.0e38)  # running-max start: finite, so 0 * (m_old 
 
 
 @triton.jit
+def _row_slice(ptr, offs_r, mask_r, offs_d, mask_d, stride, FP32: tl.constexpr):
+    """x[offs_r, offs_d] of a row-major matrix (fp32 if FP32): [rows, BLOCK_D], zeros outside."""
+    x = tl.load(ptr + offs_r[:, None] * stride + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :],
+                other=0.0)
+    if FP32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _logits_tile(h_ptr, w_ptr, offs_t, offs_v, mask_t, mask_v, D, stride_h, stride_w,
                  FP32: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -48,15 +58,40 @@ def _logits_tile(h_ptr, w_ptr, offs_t, offs_v, mask_t, mask_v, D, stride_h, stri
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
-        h = tl.load(h_ptr + offs_t[:, None] * stride_h + offs_d[None, :],
-                    mask=mask_t[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_T, BLOCK_D]
-        w = tl.load(w_ptr + offs_v[:, None] * stride_w + offs_d[None, :],
-                    mask=mask_v[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_V, BLOCK_D]
-        if FP32:
-            h = h.to(tl.float32)
-            w = w.to(tl.float32)
+        h = _row_slice(h_ptr, offs_t, mask_t, offs_d, mask_d, stride_h, FP32)  # [BLOCK_T, BLOCK_D]
+        w = _row_slice(w_ptr, offs_v, mask_v, offs_d, mask_d, stride_w, FP32)  # [BLOCK_V, BLOCK_D]
         acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
     return acc
+
+
+@triton.jit
+def _add_dot_rows(out_rows, mask_out, g, src_ptr, offs_src, mask_src, stride_src, D,
+                  FP32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[r, :] += g @ src[offs_src, :] for the fp32 rows `out_rows` ([R, 1] pointers), BLOCK_D
+    columns at a time; g is [R, S], src rows [S, D]."""
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        src = _row_slice(src_ptr, offs_src, mask_src, offs_d, mask_d, stride_src, FP32)  # [S, BLOCK_D]
+        ptrs = out_rows + offs_d[None, :]
+        mask = mask_out[:, None] & mask_d[None, :]
+        acc = tl.load(ptrs, mask=mask, other=0.0)
+        tl.store(ptrs, tl.dot(g, src, acc, input_precision=PRECISION), mask=mask)
+
+
+@triton.jit
+def _token_grads_in(offs_t, mask_t, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, HAS_ENTROPY: tl.constexpr):
+    """Per-token inputs of `_grad_logits` at offs_t: y, lse, g_lp, E_p[z], g_ent (each [BLOCK_T]);
+    without entropy, mean and g_ent are placeholders that `_grad_logits` never reads."""
+    y = tl.load(y_ptr + offs_t, mask=mask_t, other=-1)
+    lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
+    g_lp = tl.load(glp_ptr + offs_t, mask=mask_t, other=0.0)
+    mean = lse
+    g_ent = g_lp
+    if HAS_ENTROPY:
+        mean = tl.load(mean_ptr + offs_t, mask=mask_t, other=0.0)
+        g_ent = tl.load(gent_ptr + offs_t, mask=mask_t, other=0.0)
+    return y, lse, g_lp, mean, g_ent
 
 
 @triton.jit
@@ -72,21 +107,27 @@ def _grad_logits(z, offs_v, mask_v, y, lse, g_lp, mean, g_ent, HAS_ENTROPY: tl.c
 
 
 @triton.jit
+def _split_program(T, V, tiles_per_split, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A [T / BLOCK_T, K] program's split, tokens offs_t [BLOCK_T] (int32 and int64), their mask
+    and its vocabulary range [v_start, v_end)."""
+    split = tl.program_id(1)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    v_start = split * tiles_per_split * BLOCK_V
+    v_end = tl.minimum(v_start + tiles_per_split * BLOCK_V, V)
+    return split, offs_t, offs_t.to(tl.int64), offs_t < T, v_start, v_end
+
+
+@triton.jit
 def _forward_kernel(h_ptr, w_ptr, y_ptr, m_ptr, s_ptr, u_ptr, zy_ptr,
                     T, V, D, stride_h, stride_w, tiles_per_split,
                     WITH_ENTROPY: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
-    split = tl.program_id(1)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    offs_t64 = offs_t.to(tl.int64)
+    split, offs_t, offs_t64, mask_t, v_start, v_end = _split_program(T, V, tiles_per_split, BLOCK_T, BLOCK_V)
     y = tl.load(y_ptr + offs_t, mask=mask_t, other=-1)
     m = tl.full((BLOCK_T,), _FINITE_MIN, tl.float32)
     s = tl.zeros((BLOCK_T,), tl.float32)
     u = tl.zeros((BLOCK_T,), tl.float32)
     zy = tl.zeros((BLOCK_T,), tl.float32)
-    v_start = split * tiles_per_split * BLOCK_V
-    v_end = tl.minimum(v_start + tiles_per_split * BLOCK_V, V)
     for v0 in range(v_start, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
@@ -116,21 +157,10 @@ def _grad_hidden_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_pt
                         T, V, D, stride_h, stride_w, tiles_per_split,
                         HAS_ENTROPY: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
-    split = tl.program_id(1)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    offs_t64 = offs_t.to(tl.int64)
-    y = tl.load(y_ptr + offs_t, mask=mask_t, other=-1)
-    lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
-    g_lp = tl.load(glp_ptr + offs_t, mask=mask_t, other=0.0)
-    mean = lse
-    g_ent = g_lp
-    if HAS_ENTROPY:
-        mean = tl.load(mean_ptr + offs_t, mask=mask_t, other=0.0)
-        g_ent = tl.load(gent_ptr + offs_t, mask=mask_t, other=0.0)
+    split, offs_t, offs_t64, mask_t, v_start, v_end = _split_program(T, V, tiles_per_split, BLOCK_T, BLOCK_V)
+    y, lse, g_lp, mean, g_ent = _token_grads_in(offs_t, mask_t, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr,
+                                                HAS_ENTROPY)
     dh_rows = dh_ptr + (split * T + offs_t64)[:, None] * D  # this program's rows of its split's buffer
-    v_start = split * tiles_per_split * BLOCK_V
-    v_end = tl.minimum(v_start + tiles_per_split * BLOCK_V, V)
     for v0 in range(v_start, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
@@ -140,17 +170,7 @@ def _grad_hidden_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_pt
         g = _grad_logits(z, offs_v, mask_v, y, lse, g_lp, mean, g_ent, HAS_ENTROPY)  # [BLOCK_T, BLOCK_V]
         if not FP32:
             g = g.to(w_ptr.dtype.element_ty)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            mask_d = offs_d < D
-            w = tl.load(w_ptr + offs_v64[:, None] * stride_w + offs_d[None, :],
-                        mask=mask_v[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_V, BLOCK_D]
-            if FP32:
-                w = w.to(tl.float32)
-            ptrs = dh_rows + offs_d[None, :]
-            mask = mask_t[:, None] & mask_d[None, :]
-            acc = tl.load(ptrs, mask=mask, other=0.0)
-            tl.store(ptrs, tl.dot(g, w, acc, input_precision=PRECISION), mask=mask)
+        _add_dot_rows(dh_rows, mask_t, g, w_ptr, offs_v64, mask_v, stride_w, D, FP32, PRECISION, BLOCK_D)
 
 
 @triton.jit
@@ -161,35 +181,20 @@ def _grad_weight_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_pt
     offs_v = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < V
     offs_v64 = offs_v.to(tl.int64)
+    dw_rows = dw_ptr + offs_v64[:, None] * D  # this program's rows of dW
     for t0 in range(0, T, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < T
         offs_t64 = offs_t.to(tl.int64)
-        y = tl.load(y_ptr + offs_t, mask=mask_t, other=-1)
-        lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
-        g_lp = tl.load(glp_ptr + offs_t, mask=mask_t, other=0.0)
-        mean = lse
-        g_ent = g_lp
-        if HAS_ENTROPY:
-            mean = tl.load(mean_ptr + offs_t, mask=mask_t, other=0.0)
-            g_ent = tl.load(gent_ptr + offs_t, mask=mask_t, other=0.0)
+        y, lse, g_lp, mean, g_ent = _token_grads_in(offs_t, mask_t, y_ptr, lse_ptr, mean_ptr, glp_ptr,
+                                                    gent_ptr, HAS_ENTROPY)
         z = _logits_tile(h_ptr, w_ptr, offs_t64, offs_v64, mask_t, mask_v, D, stride_h, stride_w,
                          FP32, PRECISION, BLOCK_T, BLOCK_V, BLOCK_D)
         g = _grad_logits(z, offs_v, mask_v, y, lse, g_lp, mean, g_ent, HAS_ENTROPY)  # [BLOCK_T, BLOCK_V]
         if not FP32:
             g = g.to(h_ptr.dtype.element_ty)
-        g_t = tl.trans(g)  # [BLOCK_V, BLOCK_T]
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            mask_d = offs_d < D
-            h = tl.load(h_ptr + offs_t64[:, None] * stride_h + offs_d[None, :],
-                        mask=mask_t[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_T, BLOCK_D]
-            if FP32:
-                h = h.to(tl.float32)
-            ptrs = dw_ptr + offs_v64[:, None] * D + offs_d[None, :]
-            mask = mask_v[:, None] & mask_d[None, :]
-            acc = tl.load(ptrs, mask=mask, other=0.0)
-            tl.store(ptrs, tl.dot(g_t, h, acc, input_precision=PRECISION), mask=mask)
+        _add_dot_rows(dw_rows, mask_v, tl.trans(g), h_ptr, offs_t64, mask_t, stride_h, D, FP32, PRECISION,
+                      BLOCK_D)  # g^T: [BLOCK_V, BLOCK_T]
 
 
 @dataclasses.dataclass(frozen=True)
