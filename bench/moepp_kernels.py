@@ -71,7 +71,7 @@ def parse_args(argv: Sequence[str] | None, cuda: bool) -> argparse.Namespace:
     parser.add_argument("--doc-len", type=int, default=None, help="document length (default 4096, 256 small)")
     parser.add_argument("--skip-share", type=float, default=0.1, help="share of tokens routed to the skip class")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads; on a "
-                        "shared CPU 2 threads stalled 10-100x in a 2-core box: keep 1 there)")
+                        "busy 2-core machine 2 threads stalled 10-100x: keep 1 there)")
     args = parser.parse_args(argv)
     if args.tokens is None:
         args.tokens = [512, 1024, 2048] if args.small or not cuda else [8192, 16384, 32768, 65536]

@@ -1,7 +1,7 @@
 """Work formulas, device peaks and document layouts of bench/moepp_kernels.py (no timing here).
 
 FLOPs and bytes per call of each MoE++ kernel (useful work: routed tokens only, causal half of
-attention, no recomputation) in the letters of zrl/moepp/README.md; the kernel READMEs give the
+attention, no recomputation) in the letters of docs/shapes.md; the kernel READMEs give the
 kernels' own counts, including what they recompute.
 """
 
@@ -22,7 +22,7 @@ PEAKS = (("H100 PCIe", 756e12, 51e12, 2.0e12), ("H100", 989e12, 67e12, 3.35e12),
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """One layer's sizes, in the letters of zrl/moepp/README.md."""
+    """One layer's sizes, in the letters of docs/shapes.md."""
     D: int  # hidden
     E: int  # routed experts (+ the skip class)
     F: int  # expert intermediate

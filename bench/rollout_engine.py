@@ -3,7 +3,7 @@
 Both sides run the same ZAYA vLLM model (tiny serving checkpoint, in-process engine, same dtype and
 scheduler limits) on the same prompts with the sampled-token logprob requested and no per-request
 seeds (tokens/s counts what each side generated); the wrapper additionally drives the engine step by step
-and returns routing [P + T, L], logprobs and per-token versions. Prints the median tokens/s of each
+and returns routing [Tp + Tr, L], logprobs and per-token versions. Prints the median tokens/s of each
 over alternating runs, their ratio (wrapper / plain; target >= 0.9), and the in-place weight-update
 time per parameter byte.
 

@@ -118,13 +118,13 @@ def bench_config(name: str, overrides: dict, args, rdzv: Rendezvous) -> dict:
         worker = TrainerWorker(rdzv, path, settings)
         cfg = worker.model.config
         params = sum(p.numel() for p in worker.model.parameters())
-        worker.train_step(heavy_tailed_batch(cfg, args, worker.version, seed=100))  # warm-up
+        worker.train_step(worker.share_of(heavy_tailed_batch(cfg, args, worker.version, seed=100)))  # warm-up
         padded_step(worker, heavy_tailed_batch(cfg, args, worker.version, seed=101))
         packed_tps, padded_tps, last = [], [], {}
         for k in range(args.steps):
             batch = heavy_tailed_batch(cfg, args, worker.version, seed=k)
             start = time.perf_counter()
-            last = worker.train_step(batch)
+            last = worker.train_step(worker.share_of(batch))
             packed_tps.append(last["batch/input_tokens"] / (time.perf_counter() - start))
             batch = heavy_tailed_batch(cfg, args, worker.version, seed=k)
             real = sum(input_length(len(r.prompt_ids), len(r.token_ids)) for r in batch.rollouts())

@@ -17,7 +17,8 @@ continuous batching, chunked prefill and preemption/recompute are exact. The sta
 token position, so it cannot be restored for a cached prefix: prefix caching must be off (the plugin
 forces it off and the model refuses to start with it on).
 
-Shapes: N tokens in the step, R requests, C = (Hq + Hk) d conv channels, P history, Vd = Hk d / 2.
+Shapes (docs/shapes.md): T tokens in the step, N requests, C = (Hq + Hk) d conv channels, P history,
+Vd = Hk d / 2.
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ from zrl.moepp.precision import Fp32Op, to_op_dtype
 
 
 def request_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each token: its request index and its index within the request's chunk. Both [N] int64."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [R]
+    """For each token: its request index and its index within the request's chunk. Both [T] int64."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [N]
     request = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths,
-                                      output_size=num_tokens)  # [N]
-    local = torch.arange(num_tokens, device=cu_seqlens.device) - cu_seqlens[:-1][request]  # [N]
+                                      output_size=num_tokens)  # [T]
+    local = torch.arange(num_tokens, device=cu_seqlens.device) - cu_seqlens[:-1][request]  # [T]
     return request, local
 
 
@@ -51,10 +52,10 @@ def stateful_causal_convs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both CCA convolutions for a batch of request chunks that continue from `history`.
 
-    qk [N, C] pre-convolution inputs, requests back to back as given by cu_seqlens [R + 1];
-    history [R, P, C], the P inputs before each chunk (zeros for a fresh request). Computes in qk's
-    dtype (the caller passes fp32: CCA_STATE). Returns conv output [N, C] and the new history
-    [R, P, C] (the last P inputs of each request, reaching into the old history when a chunk is
+    qk [T, C] pre-convolution inputs, requests back to back as given by cu_seqlens [N + 1];
+    history [N, P, C], the P inputs before each chunk (zeros for a fresh request). Computes in qk's
+    dtype (the caller passes fp32: CCA_STATE). Returns conv output [T, C] and the new history
+    [N, P, C] (the last P inputs of each request, reaching into the old history when a chunk is
     shorter than P).
     """
     num_tokens, channels = qk.shape
@@ -65,26 +66,26 @@ def stateful_causal_convs(
     request, local = request_layout(cu_seqlens, num_tokens)
     # Window of P + 1 inputs ending at each token, read from [history rows; chunk rows].
     offsets = torch.arange(-hist, 1, device=qk.device)  # [P + 1]
-    source = local[:, None] + offsets[None, :]  # [N, P + 1], < 0 means "from the history"
+    source = local[:, None] + offsets[None, :]  # [T, P + 1], < 0 means "from the history"
     index = torch.where(source >= 0,
                         num_requests * hist + cu_seqlens[:-1][request][:, None] + source,
                         request[:, None] * hist + hist + source)
-    rows = torch.cat([history.reshape(num_requests * hist, channels), qk], dim=0)  # [R P + N, C]
-    windows = rows[index]  # [N, P + 1, C]
+    rows = torch.cat([history.reshape(num_requests * hist, channels), qk], dim=0)  # [N P + T, C]
+    windows = rows[index]  # [T, P + 1, C]
 
     w_dw = depthwise.weight.to(qk.dtype)[:, 0, :]  # [C, k0]
     # Depthwise convolution (cross-correlation) evaluated at the last k1 window positions.
-    dw = sum(windows[:, i: i + k1, :] * w_dw[:, i] for i in range(k0))  # [N, k1, C]
+    dw = sum(windows[:, i: i + k1, :] * w_dw[:, i] for i in range(k0))  # [T, k1, C]
     if depthwise.bias is not None:
         dw = dw + depthwise.bias.to(qk.dtype)
     groups = grouped.groups
     per_group = channels // groups
-    w_gr = grouped.weight.to(qk.dtype).view(groups, per_group, per_group, k1)  # [G, o, i, k1]
-    out = torch.einsum("nkgi,goik->ngo", dw.view(num_tokens, k1, groups, per_group), w_gr)
+    w_gr = grouped.weight.to(qk.dtype).view(groups, per_group, per_group, k1)  # [groups, out, in, k1]
+    out = torch.einsum("tkgi,goik->tgo", dw.view(num_tokens, k1, groups, per_group), w_gr)
     out = out.reshape(num_tokens, channels)
     if grouped.bias is not None:
         out = out + grouped.bias.to(qk.dtype)
-    last = cu_seqlens[1:] - 1  # [R] last token of each request
+    last = cu_seqlens[1:] - 1  # [N] last token of each request
     return out, windows[last, 1:, :]
 
 
@@ -93,14 +94,14 @@ def stateful_value_shift(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shift the delayed-value projections by one token within each request.
 
-    value [N, Vd]: v_proj_delayed of every token; previous [R, Vd]: the projection of the token before
-    each chunk. Returns the shifted values [N, Vd] and the new previous [R, Vd] (each chunk's last).
+    value [T, Vd]: v_proj_delayed of every token; previous [N, Vd]: the projection of the token before
+    each chunk. Returns the shifted values [T, Vd] and the new previous [N, Vd] (each chunk's last).
     """
     num_tokens = value.shape[0]
     num_requests = previous.shape[0]
     request, local = request_layout(cu_seqlens, num_tokens)
     index = torch.where(local == 0, request, num_requests + torch.arange(num_tokens, device=value.device) - 1)
-    rows = torch.cat([previous.to(value.dtype), value], dim=0)  # [R + N, Vd]
+    rows = torch.cat([previous.to(value.dtype), value], dim=0)  # [N + T, Vd]
     return rows[index], value[cu_seqlens[1:] - 1]
 
 
@@ -146,7 +147,7 @@ class CCAStateCache(MambaBase, nn.Module):
         grouped: nn.Conv1d,
         start_value: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """qk [N, C] fp32 inputs, delayed [N, Vd] v_proj_delayed(x) -> conv out [N, C] fp32, shifted values [N, Vd].
+        """qk [T, C] fp32 inputs, delayed [T, Vd] v_proj_delayed(x) -> conv out [T, C] fp32, shifted values [T, Vd].
 
         start_value [Vd] is the delayed value at a request's first token (v_proj_delayed of zeros).
         """
@@ -165,8 +166,8 @@ class CCAStateCache(MambaBase, nn.Module):
         slots, cu, has_state, num_actual = _requests_of_step(metadata, qk.device)
         conv_state, value_state = self.kv_cache  # [slots, P, C], [slots, Vd]
         keep = has_state[:, None]
-        history = torch.where(keep[:, :, None], conv_state[slots], 0.0)  # [R, P, C]
-        previous = torch.where(keep, value_state[slots], to_op_dtype(start_value, Fp32Op.CCA_STATE))  # [R, Vd]
+        history = torch.where(keep[:, :, None], conv_state[slots], 0.0)  # [N, P, C]
+        previous = torch.where(keep, value_state[slots], to_op_dtype(start_value, Fp32Op.CCA_STATE))  # [N, Vd]
 
         out = qk.new_zeros(num_tokens, self.conv_channels)
         shifted = delayed.new_zeros(num_tokens, self.value_dim)
@@ -178,7 +179,7 @@ class CCAStateCache(MambaBase, nn.Module):
 
 
 def _requests_of_step(metadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Unify vLLM's decode/prefill split: state slot [R], cu_seqlens [R + 1], has-state [R], token count.
+    """Unify vLLM's decode/prefill split: state slot [N], cu_seqlens [N + 1], has-state [N], token count.
 
     Decode requests come first with one token each and always carry state; prefill requests follow.
     """

@@ -3,17 +3,22 @@
 `RolloutEngine` drives vLLM's `LLMEngine` step by step so that a weight update can land between two
 steps while requests are in flight (PipelineRL "keep": running sequences continue with their KV cache
 and CCA state). For every sample it returns prompt and generated token ids, the sampled tokens'
-logprobs (vLLM's "processed" logprobs by default: the distribution actually sampled from, after
-temperature / top-k / top-p / min-p), the expert chosen by every MoE layer for every token, the finish
-reason and the policy version of every generated token.
+logprobs, the expert chosen by every MoE layer for every token, the finish reason and the policy
+version of every generated token.
+
+The logprobs are vLLM's "processed_logprobs", always: each token's log-probability under the
+distribution it was actually sampled from (temperature, then min-p, top-k, top-p). The trainer takes
+its logprobs under the same distribution (zrl.moepp.logprobs, `SamplingDistribution`), which is what
+makes the two comparable; a temperature in (0, 0.01), which vLLM would silently raise to 0.01, is
+refused for that reason.
 
 Invariants:
 - A generated token's version is the engine's version during the step that sampled it; versions are
   stored as segments (first token index, version), one per change.
-- `routing` is [P + T, L] uint8 with the skip expert as id E; the row of a token the engine never
-  computed (the last sampled token) is ROUTING_UNSET (255, zrl.moepp's replay sentinel).
+- `routing` is [Tp + Tr, L] uint8 with the skip expert as id E; the row of a token the engine never
+  computed (the last sampled token) is zrl.types.NO_ROUTE (255), which the trainer routes natively.
 - Sample i of the j-th prompt of `generate` uses seed `seed + j * num_samples + i` when a seed is set.
-Shapes: P prompt tokens, T generated tokens, L MoE layers.
+Shapes (docs/shapes.md): Tp prompt tokens, Tr generated tokens, L MoE layers.
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from serving.routing_capture import ROUTING_UNSET
+from serving.worker_ext import WeightStream
+from zrl.types import NO_ROUTE
 
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "serving.worker_ext.ZayaWorkerExtension"
+MIN_TEMPERATURE = 0.01  # vLLM's floor for a non-greedy temperature (SamplingParams)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +61,9 @@ class SamplingConfig:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE} (vLLM raises smaller ones "
+                             f"to {MIN_TEMPERATURE}), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -72,16 +82,16 @@ class VersionSegment:
 
 @dataclasses.dataclass(frozen=True)
 class SampleOutput:
-    prompt_ids: np.ndarray  # [P] int64
-    token_ids: np.ndarray  # [T] int64
-    logprobs: np.ndarray  # [T] float32, logprob of each sampled token
-    routing: np.ndarray  # [P + T, L] uint8, expert per token and MoE layer (E = skip, 255 = not computed)
+    prompt_ids: np.ndarray  # [Tp] int64
+    token_ids: np.ndarray  # [Tr] int64
+    logprobs: np.ndarray  # [Tr] float32, logprob of each sampled token
+    routing: np.ndarray  # [Tp + Tr, L] uint8, expert per token and MoE layer (E = skip, NO_ROUTE = not computed)
     finish_reason: str  # "stop", "length" or "abort"
     version_segments: tuple[VersionSegment, ...]
     text: str
 
     def token_versions(self) -> np.ndarray:
-        """[T] int64: the policy version of every generated token, expanded from the segments."""
+        """[Tr] int64: the policy version of every generated token, expanded from the segments."""
         versions = np.empty(len(self.token_ids), dtype=np.int64)
         bounds = [s.start for s in self.version_segments[1:]] + [len(self.token_ids)]
         for segment, stop in zip(self.version_segments, bounds):
@@ -125,8 +135,7 @@ class RolloutEngine:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         seed: int = 0,
-        logprobs_mode: str = "processed_logprobs",
-        initial_version: int = 0,
+        policy_version: int = 0,
         **engine_kwargs: Any,
     ) -> None:
         from vllm.engine.arg_utils import EngineArgs
@@ -141,12 +150,12 @@ class RolloutEngine:
         args = EngineArgs(
             model=str(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, seed=seed, enforce_eager=True,
-            enable_prefix_caching=False, logprobs_mode=logprobs_mode, max_logprobs=0,
+            enable_prefix_caching=False, logprobs_mode="processed_logprobs", max_logprobs=0,
             worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
         self._engine = LLMEngine.from_engine_args(args)
         self._tokenizer = self._engine.get_tokenizer()
         self.num_layers = self._rpc("zaya_start_capture")
-        self.version = initial_version
+        self.version = policy_version
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self._groups = itertools.count()
@@ -244,18 +253,24 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor] | str | Path | Any,
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | WeightStream | str | Path | Any,
                        version: int | None = None) -> WeightUpdateStats:
         """Load new weights in place between two steps and bump the version.
 
         `weights`: a complete state dict with HF `zaya` keys (in-process tensors), a Ray ObjectRef
-        of one, or a checkpoint directory. `version` defaults to the current version + 1.
+        of one, a `WeightStream` (loaded as its tensors arrive; in-process engine only) or a
+        checkpoint directory. `version` defaults to the current version + 1.
         With vLLM's multi-process engine, tensors cannot cross its two process hops: a state dict is
         then written to a temporary safetensors directory and loaded from there (included in `seconds`).
         """
         num_bytes = 0
         if isinstance(weights, (str, Path)):
-            payload: Mapping[str, torch.Tensor] | str = str(weights)
+            payload: Mapping[str, torch.Tensor] | WeightStream | str = str(weights)
+        elif isinstance(weights, WeightStream):
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+                raise RuntimeError("a streamed weight update needs the in-process engine "
+                                   "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+            payload = weights
         else:
             if not isinstance(weights, Mapping):
                 import ray  # a Ray ObjectRef; resolved here, in the engine's process
@@ -313,7 +328,7 @@ class RolloutEngine:
         table = np.frombuffer(table_bytes, dtype=np.uint8).reshape(-1, self.num_layers)
         token_ids = np.asarray(completion.token_ids, dtype=np.int64)
         num_rows = len(pending.prompt_ids) + len(token_ids)
-        routing = np.full((num_rows, self.num_layers), ROUTING_UNSET, dtype=np.uint8)
+        routing = np.full((num_rows, self.num_layers), NO_ROUTE, dtype=np.uint8)
         rows = min(num_rows, table.shape[0])
         routing[:rows] = table[:rows]
         text = (self._tokenizer.decode(token_ids.tolist(), skip_special_tokens=True) if pending.decode_text

@@ -1,10 +1,11 @@
 """Worker-side store of the routing captured from every engine step, per request and token position.
 
 Each step hands over the chosen expert of every MoE layer for every token the forward computed
-([N, L] uint8), the token positions and which request owns which span of rows. Rows are written at
-(request, position), so chunked prefill, any batch composition and recomputation after preemption
-(which writes the same positions again, counted in `recomputed_rows`) all land where they belong.
-Positions never computed keep ROUTING_UNSET.
+([T, L] uint8, T = the tokens of the step), the token positions and which request owns which span of
+rows. Rows are written at (request, position), so chunked prefill, any batch composition and
+recomputation after preemption (which writes the same positions again, counted in `recomputed_rows`)
+all land where they belong.
+Positions never computed keep zrl.types.NO_ROUTE (255, "no record").
 
 Storage is paged: requests own fixed-size pages of one shared uint8 pool, so memory follows the
 tokens actually in flight, and a step is recorded with a few vectorised numpy operations whatever
@@ -17,8 +18,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-# Routing value of a (token, layer) the engine never computed; equals zrl.moepp's replay sentinel.
-ROUTING_UNSET = 255
+from zrl.types import NO_ROUTE
 
 
 class RoutingRecorder:
@@ -27,7 +27,7 @@ class RoutingRecorder:
         self.page_rows = page_rows
         self.max_pages = -(-max_positions // page_rows)
         self.recomputed_rows = 0
-        self._pool = np.full((0, page_rows, num_layers), ROUTING_UNSET, np.uint8)  # [pages, rows, L]
+        self._pool = np.full((0, page_rows, num_layers), NO_ROUTE, np.uint8)  # [pages, rows, L]
         self._free_pages: list[int] = []
         self._slots: dict[str, int] = {}
         self._free_slots: list[int] = []
@@ -37,7 +37,7 @@ class RoutingRecorder:
 
     def record(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray,
                routing: np.ndarray) -> None:
-        """routing [N, L] and positions [N] of one forward; request r owns rows qsl[r]:qsl[r + 1]."""
+        """routing [T, L] and positions [T] of one forward; request r owns rows qsl[r]:qsl[r + 1]."""
         lengths = np.diff(query_start_loc)
         if (lengths <= 0).any():
             keep = lengths > 0
@@ -48,13 +48,13 @@ class RoutingRecorder:
             return
         slots = np.fromiter((self._slot(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
         positions = positions.astype(np.int64, copy=False)
-        last = np.maximum.reduceat(positions, query_start_loc[:-1])  # [R]
+        last = np.maximum.reduceat(positions, query_start_loc[:-1])  # [N] (requests)
         if int(last.max()) >= self.max_pages * self.page_rows:
             raise ValueError(f"position {int(last.max())} beyond the recorder's {self.max_pages * self.page_rows}")
         needed = last // self.page_rows + 1
         for i in np.nonzero(needed > self._num_pages[slots])[0]:
             self._add_pages(int(slots[i]), int(needed[i]))
-        token_slots = np.repeat(slots, lengths)  # [N]
+        token_slots = np.repeat(slots, lengths)  # [T]
         pages = self._page_table[token_slots, positions // self.page_rows]
         self.recomputed_rows += int((positions < self._computed[token_slots]).sum())
         self._pool[pages, positions % self.page_rows] = routing
@@ -69,10 +69,10 @@ class RoutingRecorder:
         """[positions computed, L] uint8 table of the request, releasing its pages (empty if unknown)."""
         slot = self._slots.pop(req_id, None)
         if slot is None:
-            return np.full((0, self.num_layers), ROUTING_UNSET, np.uint8)
+            return np.full((0, self.num_layers), NO_ROUTE, np.uint8)
         pages = self._page_table[slot, : self._num_pages[slot]]
         table = self._pool[pages].reshape(-1, self.num_layers)[: self._computed[slot]].copy()
-        self._pool[pages] = ROUTING_UNSET
+        self._pool[pages] = NO_ROUTE
         self._free_pages.extend(pages.tolist())
         self._page_table[slot] = -1
         self._num_pages[slot] = 0
@@ -106,7 +106,7 @@ class RoutingRecorder:
                 grow = max(16, len(self._pool))
                 start = len(self._pool)
                 self._pool = np.concatenate(
-                    [self._pool, np.full((grow, self.page_rows, self.num_layers), ROUTING_UNSET, np.uint8)])
+                    [self._pool, np.full((grow, self.page_rows, self.num_layers), NO_ROUTE, np.uint8)])
                 self._free_pages.extend(range(start + grow - 1, start - 1, -1))
             self._page_table[slot, self._num_pages[slot]] = self._free_pages.pop()
             self._num_pages[slot] += 1

@@ -66,7 +66,7 @@ def _calibrate_skip_biases(path: Path, tensors: dict[str, torch.Tensor], generat
         hook = layer.mlp.gate.register_forward_hook(lambda m, i, out: captured.append(m.router_mlp(out.state)))
         model(tokens)
         hook.remove()
-        probs = torch.softmax(captured[0].float(), dim=-1)  # [tokens, E + 1]
+        probs = torch.softmax(captured[0].float(), dim=-1)  # [T, E + 1]
         biases = layer.mlp.gate.balancing_biases
         margin = (probs[:, :-1] + biases[:-1]).max(dim=-1).values - probs[:, -1]
         biases[-1] = torch.quantile(margin, skip_fraction)

@@ -6,20 +6,22 @@ the engine runs in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0).
 
 Router capture invariant: after every model forward of a real engine step (the runner's
 `_model_forward`; vLLM's dummy and profiling runs call the model directly and are not recorded), row
-i of the model's `last_routing` [N, L] belongs to the request whose span [qsl[r], qsl[r+1]) of the
+i of the model's `last_routing` [T, L] belongs to the request whose span [qsl[r], qsl[r+1]) of the
 runner's `query_start_loc` contains i, where r indexes `input_batch.req_ids`, and it is the routing
 of the token at `positions[i]` of that request (routing_capture.py stores it there).
 
-Weight update: vLLM's layer-wise `reload_weights` (it re-runs each layer's post-load processing),
+Weight update: vLLM's layer-wise `reload_weights` (it re-runs each layer's post-load processing; it
+consumes its iterator lazily, so a streamed sync is loaded as it arrives),
 then the fix-ups it misses — the CPU MoE experts keep a pre-packed copy of their weights that reload
-does not rebuild (shared CPU_STACK.md), and the model's fp32 LM-head copy.
+does not rebuild (docs/cpu-stack.md), and the model's fp32 LM-head copy.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +29,19 @@ import torch
 from serving.routing_capture import RoutingRecorder
 
 logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class WeightStream:
+    """A complete set of weights that arrives tensor by tensor (a weight sync's receive iterator).
+
+    `names` are announced up front, so an incomplete update is refused before anything is loaded;
+    the engine's layer-wise reload consumes `tensors` as they arrive. Only an in-process engine can
+    take one (an iterator does not cross vLLM's process boundary).
+    """
+
+    names: frozenset[str]
+    tensors: Iterator[tuple[str, torch.Tensor]]
+
 
 class ZayaWorkerExtension:
     """Methods added to vLLM's worker; `self` is the worker (it has `model_runner`)."""
@@ -72,18 +87,21 @@ class ZayaWorkerExtension:
     def zaya_discard_routing(self, req_ids: list[str]) -> None:
         self.model_runner._zaya_recorder.discard(req_ids)
 
-    def zaya_update_weights(self, weights: Mapping[str, torch.Tensor] | str) -> float:
-        """Load a complete HF-keyed state dict (or a checkpoint directory) in place; returns seconds."""
+    def zaya_update_weights(self, weights: Mapping[str, torch.Tensor] | WeightStream | str) -> float:
+        """Load a complete HF-keyed state dict, weight stream or checkpoint directory in place; returns seconds."""
         runner = self.model_runner
         model = runner.get_model()
         start = time.perf_counter()
         if isinstance(weights, str):
             _check_complete(model.checkpoint_keys(), _checkpoint_dir_keys(weights))
             runner.reload_weights(weights_path=weights)
+        elif isinstance(weights, WeightStream):
+            _check_complete(model.checkpoint_keys(), set(weights.names))
+            runner.reload_weights(weights_iterator=_repacking_layer_by_layer(weights.tensors, model))
         else:
             _check_complete(model.checkpoint_keys(), set(weights))
             runner.reload_weights(weights_iterator=iter(weights.items()))
-        repacked = repack_cpu_moe_experts(model)
+        repacked = 0 if isinstance(weights, WeightStream) else repack_cpu_moe_experts(model)
         model.refresh_derived_weights()
         seconds = time.perf_counter() - start
         logger.debug("ZAYA weight update: %.1f ms (%d CPU MoE layers repacked)", seconds * 1e3, repacked)
@@ -144,17 +162,53 @@ def _make_cpu_generators_rewindable(generators: dict[int, torch.Generator]) -> N
         generator.snapshot()
 
 
+def _cpu_moe_kernels(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Module name -> MoE layer whose CPU kernel keeps a packed copy of the expert weights."""
+    found = {}
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__name__.startswith("CPU"):
+            found[name] = module
+    return found
+
+
+def _repack(module: torch.nn.Module) -> None:
+    module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+
+
+def _repacking_layer_by_layer(tensors: Iterator[tuple[str, torch.Tensor]], model: torch.nn.Module):
+    """The stream, repacking a decoder layer's CPU MoE experts as soon as the loader has moved past it.
+
+    vLLM's layer-wise reload processes a layer when its last tensor arrives, i.e. before it asks for
+    the next tensor; repacking then (instead of every layer after the whole load) keeps one layer's
+    packed copy in flight instead of all of them.
+    """
+    pending = _cpu_moe_kernels(model)
+    current = None
+    for name, tensor in tensors:
+        layer = _layer_prefix(name)
+        if layer != current and current is not None:
+            for key in [k for k in pending if _layer_prefix(k) == current]:
+                _repack(pending.pop(key))
+        current = layer
+        yield name, tensor
+    for module in pending.values():  # what the last layer left (and anything not named by layer)
+        _repack(module)
+
+
+def _layer_prefix(name: str) -> str | None:
+    """"model.layers.7" for any name inside decoder layer 7, else None."""
+    parts = name.split(".")
+    return ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else None
+
+
 def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
     """Rebuild the CPU MoE kernels' packed expert weights from the freshly loaded ones; returns the count.
 
     On CUDA the experts read their parameters directly and there is nothing to do.
     """
-    count = 0
-    for module in model.modules():
-        quant_method = getattr(module, "quant_method", None)
-        kernel = getattr(quant_method, "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__name__.startswith("CPU"):
-            experts.process_weights_after_loading(module)
-            count += 1
-    return count
+    kernels = _cpu_moe_kernels(model)
+    for module in kernels.values():
+        _repack(module)
+    return len(kernels)

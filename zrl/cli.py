@@ -170,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     apply_defaults()
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    # The console is zrl's own lines; other libraries' loggers only from warnings up (-v: everything).
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="[zrl %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("zrl").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return args.func(args)
     except RecipeError as exc:

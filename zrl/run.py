@@ -10,9 +10,13 @@ The run directory is never silently reused (`prepare_run_dir`): without `--resum
 holds checkpoints or metrics of an earlier run is an error. With `--resume` the recipe must equal the
 run's `recipe.resolved.yaml` except in RESUMABLE_FIELDS, the fields that say where the work runs and
 how it is recorded, not what is optimised: labels, output_dir (a moved run directory), resources
-(pool sizes and CPUs/GPUs: the trainer checkpoint reshards to any rank count; the token budget of a
-microbatch only changes the packing; activation checkpointing only recomputes), metrics sinks,
+(pool sizes and CPUs/GPUs: the trainer checkpoint reshards to any rank count and HSDP grouping; the
+token budget of a microbatch only changes the packing; activation checkpointing only recomputes and
+activation offload only moves saved activations to host memory), metrics sinks,
 `model.build_tiny_if_missing`, a stage's `checkpoint_every_steps` and `asynchrony.verifier_timeout_s`.
+
+The console shows zrl's progress lines; the engines' (vLLM's) logs go to `<output_dir>/logs/`, one
+file per process, and only their warnings and errors also reach the console (zrl/runtime_env.py).
 
 `<output_dir>/driver.json` names the driver that uses the directory and the tag (ZRL_DRIVER_TAG) it put
 in its environment. A second driver on the same host is refused while that one is alive; after it
@@ -33,6 +37,7 @@ from pathlib import Path
 import yaml
 
 from zrl.config import Recipe, parse_recipe
+from zrl.runtime_env import engine_logs
 
 log = logging.getLogger("zrl")
 
@@ -42,6 +47,7 @@ RESUMABLE_FIELDS = (
 )
 DRIVER_FILE = "driver.json"
 DRIVER_TAG = "ZRL_DRIVER_TAG"  # set in the driver's environment: every process it starts inherits it
+LOG_DIR = "logs"  # engine log files, under the run directory
 
 
 class RunDirectoryError(Exception):
@@ -214,7 +220,10 @@ def run_recipe(recipe: Recipe, address: str | None = None, resume: bool = False)
     previous_tag = os.environ.get(DRIVER_TAG)
     os.environ[DRIVER_TAG] = tag  # before ray.init: an embedded Ray's processes inherit it
     try:
-        return _run(recipe, address, point)
+        with engine_logs(out / LOG_DIR) as config:
+            if config is not None:
+                log.info("engine (vLLM) logs: %s; their warnings and errors also show here", out / LOG_DIR)
+            return _run(recipe, address, point)
     finally:
         if previous_tag is None:
             os.environ.pop(DRIVER_TAG, None)

@@ -1,4 +1,4 @@
-"""Typed records that cross stage boundaries (DESIGN.md "Types"): frozen, no dict bags.
+"""Typed records that cross stage boundaries (docs/design.md "Contracts"): frozen, no dict bags.
 
 `Prompt` flows from an environment's prompt source to the rollout workers; `Rollout` from a rollout
 worker (tokens, behaviour logprobs, routing record, per-token policy versions) to verification and the
@@ -24,7 +24,8 @@ class Message:
 class Prompt:
     """One task instance. `payload` belongs to the environment that made it and is opaque to zrl."""
 
-    env: str                       # registry name of the environment
+    env: str                       # the environment's name; in a stage, the key of the entry that made it
+                                   # (zrl/prompts.py stamps it; the recipe's `key`, default the name)
     prompt_id: str                 # stable across runs for the same (env, seed, index)
     messages: tuple[Message, ...]
     answer: str                    # reference answer, or "" when the verifier needs none
@@ -44,7 +45,9 @@ class Verification:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 
-NO_ROUTE = 255  # routing-record value for "no record": the trainer routes that token natively
+# The one "no routing record" value of a routing record (uint8; expert ids are 0..E with E <= 254): the
+# engine writes it for tokens it never ran (the last sampled one), the trainer routes them natively.
+NO_ROUTE = 255
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,16 +55,16 @@ class Rollout:
     """One sampled response, as the rollout engine produced it.
 
     `routing` holds the expert id the engine chose in every MoE layer for every prompt and response
-    token ([P + R, L] uint8; the skip expert is id E; NO_ROUTE where there is no record, e.g. the last
+    token ([Tp + Tr, L] uint8; the skip expert is id E; NO_ROUTE where there is no record, e.g. the last
     sampled token, which never went through the model). `version_segments` are (response token index,
     policy version) pairs in increasing index order: token t was sampled by the version of the last
     segment starting at or before t. The first segment starts at 0.
     """
 
-    prompt_ids: np.ndarray            # [P] int32
-    token_ids: np.ndarray             # [R] int32
-    logprobs: np.ndarray              # [R] float32, behaviour logprobs of the sampled tokens
-    routing: np.ndarray | None        # [P + R, L] uint8
+    prompt_ids: np.ndarray            # [Tp] int32
+    token_ids: np.ndarray             # [Tr] int32
+    logprobs: np.ndarray              # [Tr] float32, behaviour logprobs of the sampled tokens
+    routing: np.ndarray | None        # [Tp + Tr, L] uint8
     version_segments: tuple[tuple[int, int], ...]
     finish_reason: str                # "stop" | "length" | "abort"
     text: str = ""                    # decoded response, what the verifier reads
@@ -77,7 +80,7 @@ class Rollout:
             raise ValueError(f"version_segments must start at token 0 and increase: {self.version_segments}")
 
     def token_versions(self) -> np.ndarray:
-        """[R] int64 policy version of every response token."""
+        """[Tr] int64 policy version of every response token."""
         versions = np.empty(len(self.token_ids), dtype=np.int64)
         bounds = [s for s, _ in self.version_segments[1:]] + [len(self.token_ids)]
         for (start, version), end in zip(self.version_segments, bounds):
@@ -197,3 +200,42 @@ class TrainBatch:
     def advantages(self) -> np.ndarray:
         """[N_seq] float64 per-rollout advantages in group-major order."""
         return np.concatenate([g.advantages for g in self.groups])
+
+
+@dataclass(frozen=True, eq=False)
+class RankShare:
+    """One trainer rank's part of a released batch: only the rollouts the packing plan gave this rank.
+
+    The buffer splits a `TrainBatch` into one share per rank (zrl.trainer.packing.split_batch), so each
+    rank receives its own rollouts and never the whole batch. The loss is normalised by the batch's
+    GLOBAL counts, which every share carries. `microbatches` index `rollouts` (this share's order); an
+    empty list is a slot where this rank has nothing to compute but must join the collectives. Every
+    rank of a batch gets the same number of microbatches.
+    """
+
+    trainer_step: int                    # the policy version the batch was pulled at
+    rank: int
+    rollouts: tuple[Rollout, ...]        # [N_rank], this rank's sequences
+    advantages: np.ndarray               # [N_rank] float64
+    microbatches: tuple[tuple[int, ...], ...]  # indices into `rollouts`, per microbatch
+    num_sequences: int                   # N_seq of the whole batch
+    num_response_tokens: int             # N_tok of the whole batch
+    max_staleness: int                   # over the whole batch
+    mean_staleness: float                # over the whole batch's rollouts
+    advantage_abs_mean: float            # over the whole batch's rollouts
+    packing_stats: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.advantages) != len(self.rollouts):
+            raise ValueError(f"rank {self.rank}: {len(self.advantages)} advantages for {len(self.rollouts)} rollouts")
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the rollout arrays this share carries (token ids, logprobs, routing)."""
+        return sum(rollout_array_bytes(r) for r in self.rollouts)
+
+
+def rollout_array_bytes(rollout: Rollout) -> int:
+    """Bytes of one rollout's arrays: prompt and response token ids, logprobs and routing record."""
+    arrays = (rollout.prompt_ids, rollout.token_ids, rollout.logprobs, rollout.routing)
+    return sum(a.nbytes for a in arrays if a is not None)

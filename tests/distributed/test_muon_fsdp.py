@@ -1,6 +1,6 @@
 """2-rank gloo FSDP2 MuonAdamW step == 1-process step (layer-sharded, replicated, Nesterov momentum).
 
-The worker (muon_worker.py) runs under torchrun (mp.spawn once aborted at exit here, CPU_STACK.md);
+The worker (muon_worker.py) runs under torchrun (mp.spawn once aborted at exit here, docs/cpu-stack.md);
 it writes measured differences and per-rank NS FLOPs to JSON, and the assertions live here.
 """
 

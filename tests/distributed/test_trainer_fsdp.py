@@ -21,8 +21,8 @@ import torch
 from zrl.assets import build_tiny_model
 from zrl.moepp import load_hf_checkpoint
 from zrl.moepp.checkpoint import to_hf_name
-from zrl.moepp.router import REPLAY_SENTINEL
 from zrl.trainer.synthetic import synthetic_sft_examples, synthetic_train_batch
+from zrl.types import NO_ROUTE
 
 pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).with_name("trainer_worker_script.py")
@@ -89,7 +89,7 @@ def run(tmp_path_factory) -> dict:
 
 
 def _all_expert(routing: np.ndarray) -> np.ndarray:
-    pinned = np.full_like(routing, REPLAY_SENTINEL)
+    pinned = np.full_like(routing, NO_ROUTE)
     pinned[:-1] = REPLAYED_EXPERT
     return pinned
 

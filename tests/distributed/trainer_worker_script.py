@@ -84,7 +84,7 @@ def main() -> None:
     record("init", w)
     results["A_metrics"] = []
     for k, batch in enumerate(batches, start=1):
-        results["A_metrics"].append(w.train_step(batch))
+        results["A_metrics"].append(w.train_step(w.share_of(batch)))
         record(f"A_step{k}", w)
         if rank == 0:
             torch.save(grads.steps[-1], out / f"A_grad{k}.pt")
@@ -97,14 +97,14 @@ def main() -> None:
 
     # B: one step, checkpoint, a fresh worker resumes and runs the remaining two.
     w = TrainerWorker(rdzv, model_dir, settings())
-    w.train_step(batches[0])
+    w.train_step(w.share_of(batches[0]))
     w.save_checkpoint(out / "ckpt", data_state={"prompt_cursor": 17, "saved_on": world})
     del w
     w = TrainerWorker(rdzv, model_dir, settings())
     results["B_data_state"] = w.load_checkpoint(out / "ckpt")
     results["B_version_after_load"] = w.version
     for batch in batches[1:]:
-        w.train_step(batch)
+        w.train_step(w.share_of(batch))
     record("B_final", w)
     del w
 
@@ -116,34 +116,34 @@ def main() -> None:
         results["C_data_state"] = w.load_checkpoint(other)
         results["C_metrics"] = []
         for k, batch in enumerate(batches[1:], start=2):
-            results["C_metrics"].append(w.train_step(batch))
+            results["C_metrics"].append(w.train_step(w.share_of(batch)))
             record(f"C_step{k}", w)
             torch.save(grads.steps[-1], out / f"C_grad{k}.pt")
         del w
 
     # D: the first step without activation checkpointing.
     w = TrainerWorker(rdzv, model_dir, settings(activation_checkpointing=False))
-    w.train_step(batches[0])
+    w.train_step(w.share_of(batches[0]))
     record("D_step1", w)
     del w
 
     # E: every recorded expert id is expert 2: only expert 2's weights may receive gradient.
     w = TrainerWorker(rdzv, model_dir, settings(algorithm=Algorithm(router_replay=True, router_bias_update=False)))
-    results["E_metrics"] = w.train_step(data["replay_batch"])
+    results["E_metrics"] = w.train_step(w.share_of(data["replay_batch"]))
     record("E", w)
     del w
 
     # F: HSDP, 2 replica groups of 1 shard each (2-rank run only).
     if world == 2:
         w = TrainerWorker(rdzv, model_dir, settings(hsdp_replicas=2))
-        w.train_step(batches[0])
+        w.train_step(w.share_of(batches[0]))
         record("F_step1", w)
         del w
 
     # H: a batch with a single packable rollout: on 2 ranks, rank 1 runs only the dummy microbatch.
     w = TrainerWorker(rdzv, model_dir, settings())
     grads = GradientRecorder(w)
-    results["H_metrics"] = w.train_step(data["single_batch"])
+    results["H_metrics"] = w.train_step(w.share_of(data["single_batch"]))
     record("H", w)
     if rank == 0:
         torch.save(grads.steps[-1], out / "H_grad.pt")

@@ -1,6 +1,6 @@
 """RL objective library: group advantages, length reward, token-level trust regions, loss aggregation.
 
-Pure functions on numpy (per-group rewards, [G]) and torch (per-token tensors, [T] or [B, L]);
+Pure functions on numpy (per-group rewards, [G]) and torch (per-token tensors, [T] or [B, S]);
 formulas, sources and decisions are in README.md beside this file.
 """
 

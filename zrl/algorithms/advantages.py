@@ -2,7 +2,8 @@
 
 Responsibility: turn the task rewards of one prompt's group of G rollouts (plus an optional additive
 length bonus) into one advantage per rollout, which the caller broadcasts to every response token.
-Formulas: seeds/003 eq. 7 and §IV-B1, shared ALGORITHMS.md §1; see zrl/algorithms/README.md.
+Formulas: ZAYA1-8B report eq. 7 and §IV-B1 (MaxRL), §IV-B7 (GRPO); docs/algorithms.md §1; decisions in
+zrl/algorithms/README.md.
 
 Conventions and invariants:
 - Per-group values are 1-D float64 numpy arrays `[G]`; inputs may be any 1-D array-like.
@@ -13,8 +14,8 @@ Conventions and invariants:
   possible once the rbar == 0 case is handled. A group of size 1 has r_1 == rbar, so A == 0 (the
   public `(r - rbar) / (rbar + 1e-6)` hack is not used). `min_mean_reward` only treats a mean that is
   zero up to float noise as zero.
-- The length bonus enters the numerator only; the denominator uses the task rewards (003 §IV-B1).
-  It is supported by "maxrl" and "drgrpo"; "grpo" (behavioural stage, no length reward, 003 §IV-B7)
+- The length bonus enters the numerator only; the denominator uses the task rewards (report §IV-B1).
+  It is supported by "maxrl" and "drgrpo"; "grpo" (behavioural stage, no length reward, report §IV-B7)
   rejects a non-zero bonus instead of dividing a pure length signal by a zero std.
 - Order in the buffer: canary gate (zero flagged rewards) -> length bonus -> dynamic sampling -> advantages.
 """
@@ -65,7 +66,7 @@ def maxrl_advantages(rewards: ArrayLike, length_bonus: ArrayLike | None = None, 
                      min_mean_reward: float = MAXRL_MIN_MEAN_REWARD) -> np.ndarray:
     """MaxRL: A_i = (r_i + Δr_i - rbar) / rbar; A = 0 when rbar < min_mean_reward (all failed).
 
-    rewards: [G] task rewards in [0, 1] (binary in the seed; continuous ones are accepted as is).
+    rewards: [G] task rewards in [0, 1] (binary in the ZAYA1 recipe; continuous ones are accepted as is).
     length_bonus: [G] additive Δr_i (numerator only) or None.
     """
     r = _group_rewards(rewards)
@@ -110,7 +111,7 @@ def _grpo_dispatch(rewards: ArrayLike, length_bonus: ArrayLike | None) -> np.nda
     if length_bonus is not None and np.any(np.asarray(length_bonus, dtype=np.float64) != 0.0):
         raise ValueError(
             "advantage 'grpo' does not take a length bonus: the behavioural stage that uses GRPO has no "
-            "length reward (seeds/003 §IV-B7), and an all-correct group would divide it by std = 0")
+            "length reward (ZAYA1-8B report §IV-B7), and an all-correct group would divide it by std = 0")
     return grpo_advantages(rewards)
 
 
@@ -149,8 +150,8 @@ def filter_zero_variance_groups(task_rewards: Sequence[ArrayLike],
     A group is dropped when its task rewards are all equal (all-wrong, all-correct, G = 1) and its
     length bonus is absent or all zero, and when it is empty (G = 0). An all-correct group whose
     length bonus is non-zero is kept: under MaxRL its advantage is then A_i = Δr_i (rbar = 1), the
-    pure length signal the seed wants (ALGORITHMS.md §1). With this rule a group is dropped exactly
-    when every advantage it would get is zero.
+    pure length signal of the numerator-only length reward (docs/algorithms.md §1). With this rule a
+    group is dropped exactly when every advantage it would get is zero.
     """
     if length_bonuses is not None and len(length_bonuses) != len(task_rewards):
         raise ValueError(f"{len(length_bonuses)} length bonuses for {len(task_rewards)} groups")

@@ -3,7 +3,8 @@
 Responsibility: reduce the per-token losses of ONE microbatch to the scalar that this microbatch
 contributes to the global-batch loss. Every mode is a sum of per-token terms divided by constants of
 the global batch, so the sum of these scalars over all gradient-accumulation steps and all
-data-parallel ranks equals the formula over the global batch (ALGORITHMS.md §4; seeds/003 §IV-B1):
+data-parallel ranks equals the formula over the global batch (docs/algorithms.md §4; ZAYA1-8B report
+§IV-B1, Dr-GRPO):
 
 - "seq_mean_token_sum_norm" (Dr-GRPO, the ZAYA1 default):
       L = (1/N_seq) Σ_i Σ_t l_{i,t} / T_norm,  T_norm = max_response_tokens (a constant).
@@ -15,7 +16,7 @@ trainer, which sums `local_counts` over its microbatches and all-reduces. With d
 averaging (FSDP2 divides by the world size) multiply by the world size, or sum gradients instead.
 
 Layout: packed token streams `[T]` with `seq_idx [T]` (int, the rollout each token belongs to, any
-ids unique within the microbatch), or padded `[B, L]` with `seq_idx=None` (row = rollout).
+ids unique within the microbatch), or padded `[B, S]` with `seq_idx=None` (row = rollout).
 Invariants: a rollout never spans microbatches (needed by seq_mean_token_mean's T_i); loss-mask-false
 tokens contribute exactly 0; a rollout with no loss tokens (empty response) still counts in N_seq.
 Global counts of 0 give a zero loss that is still connected to the graph, so every rank can run
@@ -38,7 +39,7 @@ def _flatten(token_loss: torch.Tensor, loss_mask: torch.Tensor,
         raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != token_loss {tuple(token_loss.shape)}")
     if seq_idx is None:
         if token_loss.dim() != 2:
-            raise ValueError("seq_idx is required unless token_loss is padded [B, L] (rows are rollouts)")
+            raise ValueError("seq_idx is required unless token_loss is padded [B, S] (rows are rollouts)")
         b, l = token_loss.shape
         seq_idx = torch.arange(b, device=token_loss.device).repeat_interleave(l)
     elif token_loss.dim() != 1 or seq_idx.shape != token_loss.shape:
@@ -60,12 +61,12 @@ def _check_count(name: str, value: int) -> None:
 def local_counts(loss_mask: torch.Tensor, seq_idx: torch.Tensor | None = None) -> tuple[int, int]:
     """(rollouts, loss tokens) in this microbatch; sum them over microbatches and ranks for the globals.
 
-    Rollouts are the distinct ids in seq_idx (rows for padded [B, L]), whether or not they have loss
+    Rollouts are the distinct ids in seq_idx (rows for padded [B, S]), whether or not they have loss
     tokens.
     """
     if seq_idx is None:
         if loss_mask.dim() != 2:
-            raise ValueError("seq_idx is required unless loss_mask is padded [B, L]")
+            raise ValueError("seq_idx is required unless loss_mask is padded [B, S]")
         num_seqs = loss_mask.shape[0]
     else:
         num_seqs = int(torch.unique(seq_idx).numel())
@@ -104,7 +105,7 @@ def seq_mean_token_mean(token_loss: torch.Tensor, loss_mask: torch.Tensor, seq_i
     loss, mask, seq = _flatten(token_loss, loss_mask, seq_idx)
     if loss.numel() == 0 or global_num_seqs == 0:
         return _masked_sum(loss, mask) * 0.0
-    # Compact the rollout ids (they may be sparse global ids), count T_i per rollout: [S], then per token: [T]
+    # Compact the rollout ids (they may be sparse global ids), count T_i per rollout: [N], then per token: [T]
     _, local = torch.unique(seq, return_inverse=True)
     per_seq = torch.bincount(local, weights=mask.to(torch.float64))
     denom = per_seq[local].clamp(min=1.0).to(loss.dtype)

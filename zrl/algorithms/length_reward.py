@@ -1,21 +1,21 @@
-"""Difficulty-scaled length reward Δr (seeds/003 §IV-B2, eqs. 8-10) and its running solve-rate frontier.
+"""Difficulty-scaled length reward Δr (ZAYA1-8B report §IV-B2, eqs. 8-10) and its running solve-rate frontier.
 
 Responsibility: for one group of G rollouts, compute the additive bonus Δr_i = c · p · m_i · λ̃_i that
 MaxRL / Dr-GRPO add to the advantage numerator (see advantages.py), plus the per-data-source running
 maximum solve rate p* that the gate m_i compares against, and the per-stage ramp of c.
 
-Definitions (ALGORITHMS.md §2):
+Definitions (docs/algorithms.md §2):
 - p = mean task reward of the group; k = number of rollouts with r_i == 1 ("correct");
   l_min = shortest correct length; l_max = a constant (the generation cap, `max_response_tokens`).
 - λ_i = 1/2 - clamp((l_i - l_min) / (l_max - l_min), 0, 1)                          (eq. 8)
-- λ̃_i = 1/2 if l_i <= l_min + L_tol else λ_i (ShortRL reading of the missing line; L_tol = 200
-  tokens by default, `tolerance_tokens=None` gives λ̃ = λ).
+- λ̃_i = 1/2 if l_i <= l_min + L_tol else λ_i (ShortRL's reading of the report's missing line;
+  L_tol = 200 tokens by default, `tolerance_tokens=None` gives λ̃ = λ).
 - m_i = 1[p > p* - T_acc] · 1[k >= 2] · 1[r_i == 1]                                  (eq. 9)
-  For binary rewards k >= 2 is the seed's p > 1/G; for continuous rewards it keeps the text's intent
+  For binary rewards k >= 2 is the report's p > 1/G; for continuous rewards it keeps the text's intent
   ("at least two responses are correct"), where p > 1/G alone would open the gate with one correct.
 - Δr_i = c · p · m_i · λ̃_i                                                          (eq. 10)
 
-Decisions where the seed is silent:
+Decisions where the report is silent:
 - l_max == l_min: every correct length equals the cap, so the normalised excess is defined as 0 for
   l_i <= l_min and 1 above it (λ = 1/2 or -1/2), never 0/0. l_min > l_max is a configuration error.
 - p* is unknown until a source has been observed, and the gate is closed while it is unknown. The
@@ -34,8 +34,11 @@ from collections.abc import Mapping
 import numpy as np
 from numpy.typing import ArrayLike
 
-LENGTH_TOLERANCE_TOKENS = 200  # ShortRL's default L_tol
-ACCURACY_TOLERANCE = 0.1  # T_acc; the seed gives no value, this is the recipe default
+from zrl.config.schema import LengthReward
+
+# Defaults are the recipe schema's (the one place defaults are written).
+LENGTH_TOLERANCE_TOKENS = LengthReward.model_fields["tolerance_tokens"].default  # L_tol, ShortRL's 200
+ACCURACY_TOLERANCE = LengthReward.model_fields["accuracy_tolerance"].default  # T_acc (no value in the report)
 
 
 def _lengths(lengths: ArrayLike, group_size: int) -> np.ndarray:

@@ -4,7 +4,7 @@ Responsibility: given per-token trainer logprobs log p (with grad), behaviour lo
 the rollout engine, per-token advantages and a loss mask, return the per-token loss l_t (zero on
 masked-out tokens) and trust-region statistics. Aggregation over tokens/sequences is aggregation.py's.
 
-Formulas (seeds/003 §IV-B1; ALGORITHMS.md §3), p = pi(y_t|s_t), q = mu(y_t|s_t):
+Formulas (ZAYA1-8B report §IV-B1, DPPO; docs/algorithms.md §3), p = pi(y_t|s_t), q = mu(y_t|s_t):
 - DPPO:  l_t = -A_t · M_t · sg(min(p/q, C)) · log p, so ∇l_t = -A_t · M_t · ∇p / q when p/q < C.
   Binary-TV keeps a token (M_t = 1) unless (A_t > 0 and p - q > delta) or (A_t < 0 and p - q < -delta).
   Binary-KL: D = KL(Bern(q) || Bern(p)) = q log(q/p) + (1-q) log((1-q)/(1-p)); drop when D > delta and
@@ -16,7 +16,7 @@ Invariants:
 - Tokens are only masked when the gradient step would push p further from q: a token that moved back
   towards q, or whose advantage is 0, is never masked. A_t == 0 keeps M_t = 1 (it has no gradient
   anyway; keeping it means the masked fraction counts only real trust-region hits).
-- Tensors may have any shape (packed [T] or padded [B, L]); all inputs share it. Maths in float32
+- Tensors may have any shape (packed [T] or padded [B, S]); all inputs share it. Maths in float32
   (float64 stays float64); p/q is exp(log p - log q), accurate when both are tiny.
 - Loss-mask-false positions give l_t = 0 with an exactly zero (never NaN) gradient, even when their
   logprobs are -inf padding.
@@ -31,12 +31,16 @@ from typing import Any, Literal
 
 import torch
 
+from zrl.config.schema import DPPOBinaryKL, DPPOBinaryTV, PPOClip
+
 TrustRegionName = Literal["dppo_binary_tv", "dppo_binary_kl", "ppo_clip"]
 
-TV_DELTA = 0.1  # ZAYA1 production (003 §IV-B1)
-KL_DELTA = 0.05  # no seed value; the recipe schema default
-IS_CAP = 1e4  # truncated-IS cap C: large, only guards against q ~ 0 artefacts
-PPO_CLIP = 0.2
+# Defaults are the recipe schema's (the one place defaults are written).
+TV_DELTA = DPPOBinaryTV.model_fields["delta"].default  # ZAYA1 production value (report §IV-B1)
+KL_DELTA = DPPOBinaryKL.model_fields["delta"].default  # the report gives no value
+IS_CAP = DPPOBinaryTV.model_fields["is_cap"].default  # truncated-IS cap C: large, guards against q ~ 0
+PPO_CLIP_LOW = PPOClip.model_fields["clip_low"].default
+PPO_CLIP_HIGH = PPOClip.model_fields["clip_high"].default
 
 # Positions of the summed statistics in TrustRegionStats.sums.
 _N, _NPOS, _NNEG, _MPOS, _MNEG, _ABSDIFF, _ISW, _CAPPED = range(8)
@@ -202,8 +206,8 @@ def dppo_binary_kl_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor
 
 
 def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  loss_mask: torch.Tensor, *, clip_low: float = PPO_CLIP,
-                  clip_high: float = PPO_CLIP) -> PolicyLoss:
+                  loss_mask: torch.Tensor, *, clip_low: float = PPO_CLIP_LOW,
+                  clip_high: float = PPO_CLIP_HIGH) -> PolicyLoss:
     """PPO ratio clipping against the behaviour policy, for comparison: -min(ρA, clip(ρ)A)."""
     if not (0 < clip_low < 1 and clip_high > 0):
         raise ValueError(f"need 0 < clip_low < 1 and clip_high > 0, got {clip_low}, {clip_high}")

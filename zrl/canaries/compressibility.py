@@ -1,4 +1,6 @@
-"""Streaming LZ77 compressibility canary and its reward-zeroing gate (seeds/003 §IV-F eq. 16; ALGORITHMS.md §8).
+"""Streaming LZ77 compressibility canary and its reward-zeroing gate (ZAYA1-8B report §IV-F, eq. 16).
+
+Specification: docs/algorithms.md §8. Shapes: a rollout's token ids are [Tr] (docs/shapes.md).
 
 Responsibility: per rollout, encode token ids as fixed-width little-endian bytes, cut them into
 chunks of C tokens (a short final chunk is merged into the previous one), feed the chunks to ONE
@@ -17,13 +19,13 @@ looping tokens; zlib 1.2.13; 2-core x86_64 CPU, 2026-11-21):
   per-chunk ratio is bimodal: chunks either sit at the copy floor or stay high. At C = 64 every
   period <= 254 reaches the floor within P + 2C looping tokens at every phase (worst 380 tokens,
   P = 254). At C = 128 periods 67-69, 85 and 133-189 are missed at some phase; at C = 256 most
-  periods from 17 up are missed; 4 B, C = 256, tau = 0.1 (the recipe schema's LZ77Canary defaults
-  when this was written) misses most periods from 31 up. C = 32 lifts the floor to 0.042, too close
+  periods from 17 up are missed; 4 B, C = 256, tau = 0.1 (the recipe schema's earlier LZ77Canary
+  defaults) misses most periods from 31 up. C = 32 lifts the floor to 0.042, too close
   to tau.
-- REPEAT_THRESHOLD = 0.05 (the seed's production tau). At 3 B, C = 64: the in-loop minimum is
+- REPEAT_THRESHOLD = 0.05 (the report's production tau). At 3 B, C = 64: the in-loop minimum is
   <= 0.021 for every detected period; uniform random ids give >= 1.026 (64 rollouts x 4,096 tokens;
   0.887 at 4 B); iid Zipf ids 0.21 (a = 2) to 0.6; uniform ids over 16 ids 0.36. Word-level English
-  technical text (the seed reports, ids by frequency rank or a random permutation) has its 0.1%
+  technical text (the papers this project implements, ids by frequency rank or a random permutation) has its 0.1%
   quantile at 0.053-0.065, and its chunks below 0.05 (0.06-0.11%) are literal copies: repeated URLs,
   markdown table rules, duplicated LaTeX table cells. The in-loop values are bimodal: tau = 0.025
   and 0.03 detect the same periods with the same worst latency (380 tokens); 0.05 is kept.
@@ -40,9 +42,12 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-BYTES_PER_TOKEN = 3
-CHUNK_TOKENS = 64
-REPEAT_THRESHOLD = 0.05
+from zrl.config.schema import LZ77Canary
+
+# The calibrated values above are the recipe schema's defaults (the one place defaults are written).
+BYTES_PER_TOKEN = LZ77Canary.model_fields["bytes_per_token"].default
+CHUNK_TOKENS = LZ77Canary.model_fields["chunk_tokens"].default
+REPEAT_THRESHOLD = LZ77Canary.model_fields["threshold"].default
 ZLIB_LEVEL = 1
 ZLIB_WBITS = -10  # raw deflate, 2^10-byte window
 
@@ -54,7 +59,7 @@ def sync_flush_overhead_bytes() -> int:
 
 
 def token_bytes(token_ids: ArrayLike, bytes_per_token: int = BYTES_PER_TOKEN) -> bytes:
-    """Little-endian fixed-width encoding of token ids [N] -> N · bytes_per_token bytes."""
+    """Little-endian fixed-width encoding of token ids [Tr] -> Tr · bytes_per_token bytes."""
     if bytes_per_token not in (1, 2, 3, 4):
         raise ValueError(f"bytes_per_token must be 1-4, got {bytes_per_token}")
     ids = np.asarray(token_ids)
@@ -68,7 +73,7 @@ def token_bytes(token_ids: ArrayLike, bytes_per_token: int = BYTES_PER_TOKEN) ->
     if ids.min() < 0 or ids.max() >= limit:
         raise ValueError(f"token ids must lie in [0, {limit}) for {bytes_per_token} bytes/token, "
                          f"got range [{ids.min()}, {ids.max()}]")
-    # [N, 4] little-endian bytes, keep the low `bytes_per_token` of each id
+    # [Tr, 4] little-endian bytes, keep the low `bytes_per_token` of each id
     le = ids.astype("<u4").view(np.uint8).reshape(-1, 4)
     return le[:, :bytes_per_token].tobytes()
 

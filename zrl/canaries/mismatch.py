@@ -1,11 +1,11 @@
-"""Engine/trainer mismatch statistics (seeds/003 §IV-D/§IV-F; ALGORITHMS.md §8).
+"""Engine/trainer mismatch statistics (ZAYA1-8B report §IV-D, §IV-F; docs/algorithms.md §8).
 
 Responsibility: compare the behaviour logprobs log q recorded by the rollout engine with the trainer's
 recomputed logprobs log p on the same tokens (and, for this metric, the same weights):
 - k1 = mean(log q - log p) and k3 = mean(ρ - 1 - log ρ), ρ = p/q: estimators of KL(q || p) with
   samples from q (k1 unbiased but signed, k3 unbiased and >= 0 per token);
-- Pearson r of per-token probabilities and of logprobs (the seed's target after the FP32 op set and
-  router replay: KL ≈ 1.3e-4, r > 0.9996 in bf16);
+- Pearson r of per-token probabilities and of logprobs (the report measures, with the FP32 op set and
+  router replay on its 8B model: KL ≈ 1.3e-4, r > 0.9996 in bf16);
 - mean and max |p - q|.
 
 Distribution: `mismatch_sums` returns float64 sufficient statistics of one microbatch that add up
@@ -105,7 +105,7 @@ def merge_mismatch_sums(sums: list[torch.Tensor]) -> torch.Tensor:
     """Combine microbatch sums locally (SUM for entries 0-15, MAX for entry 16)."""
     if not sums:
         raise ValueError("merge_mismatch_sums needs at least one sums vector")
-    stacked = torch.stack(sums)  # [M, 17]
+    stacked = torch.stack(sums)  # [microbatches, NUM_SUMS]
     merged = stacked.sum(0)
     merged[_MAXABS] = stacked[:, _MAXABS].max()
     return merged

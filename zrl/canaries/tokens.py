@@ -1,6 +1,6 @@
-"""Rare-token fraction and gibberish heuristic (seeds/003 §IV-F, Appendix E; ALGORITHMS.md §8). Monitors only.
+"""Rare-token fraction and gibberish heuristic (ZAYA1-8B report §IV-F, Appendix E; docs/algorithms.md §8).
 
-Responsibility: per rollout, the fraction of tokens whose id lies in the top X% of the tokenizer's id
+Responsibility (monitors only, no reward gate): per rollout, the fraction of tokens whose id lies in the top X% of the tokenizer's id
 range (X in 10/5/2/1% by default), and the gibberish mask: tokens sampled with a logprob more than
 2 nats below uniform, log(1/V) - 2, AND lying in the rare band (top 10% of ids).
 
@@ -17,7 +17,10 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
-RARE_TOKEN_BANDS: tuple[float, ...] = (0.10, 0.05, 0.02, 0.01)
+from zrl.config.schema import Canaries
+
+# The recipe schema's default bands (the one place defaults are written): 10, 5, 2, 1 % of the ids.
+RARE_TOKEN_BANDS: tuple[float, ...] = tuple(Canaries.model_fields["rare_token_bands"].default_factory())
 GIBBERISH_BAND = 0.10
 GIBBERISH_MARGIN_NATS = 2.0
 
@@ -51,7 +54,7 @@ def rare_token_fractions(token_ids: ArrayLike, vocab_size: int,
 
 def gibberish_mask(token_ids: ArrayLike, logprobs: ArrayLike, vocab_size: int, *,
                    band: float = GIBBERISH_BAND, margin_nats: float = GIBBERISH_MARGIN_NATS) -> np.ndarray:
-    """[N] bool: logprob < log(1/V) - margin AND id in the top `band` of the id range (CWM heuristic)."""
+    """[Tr] bool: logprob < log(1/V) - margin AND id in the top `band` of the id range (CWM heuristic)."""
     ids = _ids(token_ids, vocab_size)
     lps = np.asarray(logprobs, dtype=np.float64)
     if lps.shape != ids.shape:

@@ -4,15 +4,18 @@ Invariants:
 - pydantic v2 with `extra="forbid"` everywhere: an unknown or misspelt field is an error naming its path.
 - Units are in field names (`max_response_tokens`, `timeout_s`, `sync_every_steps`).
 - Pluggable parts are discriminated unions: a stage on `kind` (`rl` | `sft`), a trust region on `type`.
-- Defaults are the ZAYA1-8B production values (shared seeds/003 §IV-B1): 128 prompts x G=16,
+- Defaults are the ZAYA1-8B production values (ZAYA1-8B report §IV-B1): 128 prompts x G=16,
   DPPO Binary-TV delta 0.1, Dr-GRPO seq-mean-token-sum-norm, MaxRL, weight sync every 2 trainer steps,
   staleness <= 2, 2 ready batches before the trainer pulls, momentum-free Muon.
+- The defaults here are the only place a default is written: library constants that mirror a recipe
+  field (trust-region deltas, length-reward tolerances, LZ77 canary settings, optimizer
+  hyperparameters) read it from these models.
 - This module imports no torch, ray or vllm: `zrl validate` must work in a light environment.
 """
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Strict(BaseModel):
@@ -41,7 +44,21 @@ class Resources(Strict):
     gpus_per_trainer_worker: float = Field(0.0, ge=0)
     trainer_microbatch_tokens: int = Field(
         131072, ge=2, description="packed tokens per trainer microbatch (raised to fit the longest sequence)")
-    activation_checkpointing: bool = True
+    activation_checkpointing: bool = Field(True, description="recompute each decoder layer in backward")
+    activation_offload: bool = Field(
+        False, description="keep the activations autograd saves for backward in host memory until backward needs "
+                           "them (accelerators only; nothing to offload to on CPU)")
+    hsdp_replicas: int = Field(
+        1, ge=1, description="trainer replica groups: each parameter is sharded over trainer_workers / hsdp_replicas "
+                             "ranks (the FSDP shard size) and replicated across the groups; 1 = plain FSDP")
+
+    @model_validator(mode="after")
+    def _hsdp_divides_the_trainer_ranks(self):
+        if self.trainer_workers % self.hsdp_replicas:
+            raise ValueError(
+                f"hsdp_replicas={self.hsdp_replicas} must divide trainer_workers={self.trainer_workers}: every "
+                "replica group shards the model over the same number of ranks")
+        return self
 
 
 class WandbSink(Strict):
@@ -63,23 +80,45 @@ class Metrics(Strict):
 
 class EnvironmentSpec(Strict):
     name: str = Field(min_length=1, description="registered environment name, or `module:Class`")
+    key: str | None = Field(
+        None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="this entry's name inside its stage: its prompts carry it (Prompt.env), its verifier is found "
+                    "by it and its metrics are named by it (reward/<key>); defaults to the environment's name. "
+                    "Set it when a stage lists one environment twice (e.g. with different options)")
     weight: float = Field(1.0, gt=0, description="relative sampling weight inside the stage's mixture")
     reward_type: Literal["binary", "continuous"] | None = Field(
         None, description="declared reward type; when unset it is read from the environment class")
     options: dict = Field(default_factory=dict, description="keyword arguments for the environment constructor")
 
 
+# vLLM raises a temperature in (0, 0.01) to 0.01 and samples greedily at 0.
+MIN_TEMPERATURE = 0.01
+
+
 class Sampling(Strict):
+    """An RL stage's rollout sampling. The trainer takes its logprobs under the same distribution
+    (temperature, then min-p, top-k, top-p: zrl.moepp.logprobs), so every value here must be one the
+    rollout engine samples with as written."""
+
     prompts_per_batch: int = Field(128, ge=1)
     group_size: int = Field(16, ge=1, description="G rollouts per prompt")
     max_prompt_tokens: int = Field(20480, ge=1)
     max_response_tokens: int = Field(81920, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1, description="-1 disables top-k")
-    min_p: float = Field(0.0, ge=0, lt=1)
+    temperature: float = Field(1.0, description=f">= {MIN_TEMPERATURE}")
+    top_p: float = Field(1.0, gt=0, le=1, description="1 disables top-p")
+    top_k: int = Field(-1, ge=-1, description="-1 (or 0) disables top-k")
+    min_p: float = Field(0.0, ge=0, lt=1, description="0 disables min-p")
     stop: list[str] = Field(default_factory=list)
     seed: int = 0
+
+    @field_validator("temperature")
+    @classmethod
+    def _engine_samples_at_this_temperature(cls, value: float) -> float:
+        if not value >= MIN_TEMPERATURE:
+            raise ValueError(
+                f"{value} is below {MIN_TEMPERATURE}: vLLM samples greedily at 0 and with 0.01 below it, so "
+                "the trainer could not compute logprobs under the distribution the tokens were sampled from")
+        return value
 
 
 class DPPOBinaryTV(Strict):
@@ -104,7 +143,7 @@ TrustRegion = Annotated[DPPOBinaryTV | DPPOBinaryKL | PPOClip, Field(discriminat
 
 
 class LengthReward(Strict):
-    """Difficulty-scaled length reward (seeds/003 eqs. 8-10); c ramps linearly from c_start to c_end."""
+    """Difficulty-scaled length reward (ZAYA1-8B report eqs. 8-10); c ramps linearly from c_start to c_end."""
 
     enabled: bool = True
     c_start: float = Field(0.1, ge=0)
@@ -171,6 +210,12 @@ class Asynchrony(Strict):
     min_ready_batches: int = Field(2, ge=1, description="complete batches in the buffer before the trainer pulls")
     buffer_capacity_batches: int = Field(4, ge=1, description="buffer capacity; the oldest groups are evicted")
     verifier_timeout_s: float = Field(30.0, gt=0)
+    sync_transport: Literal["collective", "object_store"] = Field(
+        "collective", description="weight sync: streamed over a gloo/NCCL group from trainer rank 0 to the "
+        "rollout workers, or (fallback) one full state dict through Ray's object store")
+    sync_bucket_mib: float = Field(512.0, gt=0, description="weight-sync bucket: the most weight bytes in "
+                                   "flight at once (bounds the extra memory of sender and receivers)")
+    sync_timeout_s: float = Field(600.0, gt=0, description="a sync collective that takes longer fails")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -199,6 +244,17 @@ class StageBase(Strict):
     environments: list[EnvironmentSpec] = Field(min_length=1)
     checkpoint_every_steps: int = Field(50, ge=1)
     inherit: Inherit = Inherit()
+
+    @model_validator(mode="after")
+    def _unique_environment_keys(self):
+        # `name` stands in for an unset key: an environment's own name is its registry name, except for a
+        # `module:Class` reference, whose class name zrl.prompts checks again once the class is loaded.
+        keys = [e.key or e.name for e in self.environments]
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        if repeated:
+            raise ValueError(f"environments {repeated} are listed more than once; give each entry a distinct `key` "
+                             "(its prompts, verifier and reward/<key> metric are found by it)")
+        return self
 
 
 class RLStage(StageBase):

@@ -1,6 +1,6 @@
 """The environment plugin API: subclass `Environment`, set a name, write `sample` and `verify`.
 
-Contract (DESIGN.md "Environment plugin"):
+Contract (docs/design.md "Contracts"):
 - `sample(n, seed, split, difficulty)` is deterministic in its arguments, so a run can resume and an
   evaluation set is fixed by its seed. `split="eval"` draws from problems kept out of `split="train"`.
 - `verify(prompt, response)` returns a reward in [0, 1] (binary for `reward_type = "binary"`) or a

@@ -1,6 +1,6 @@
 """MoE++ (ZAYA1) model: single-device PyTorch implementation, HF `zaya` interchange, training hooks.
 
-See zrl/moepp/README.md for the shapes legend, the FP32 op set and the public API. Names are
+See zrl/moepp/README.md for the FP32 op set and the public API (shape letters: docs/shapes.md). Names are
 exported lazily so that `import zrl.moepp.config` (the vLLM plugin, recipe validation) does not
 import torch.
 """
@@ -14,7 +14,6 @@ _EXPORTS = {
     "CausalLMOutput": "model", "DecoderLayer": "model", "MoEPPForCausalLM": "model", "TokenLogprobs": "model",
     "ParameterCounts": "params", "count_parameters": "params", "optimizer_param_groups": "params",
     "FP32_OPS": "precision", "Fp32Op": "precision",
-    "REPLAY_SENTINEL": "router",
     "BiasBalancer": "routing", "RoutingInfo": "routing", "RoutingStats": "routing",
     "balancing_error": "routing", "routing_stats": "routing",
 }

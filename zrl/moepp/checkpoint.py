@@ -4,7 +4,8 @@ Key names: the HF checkpoint is `model.<name>` for every parameter of this packa
 `lm_head.weight` for an untied head; a tied head is not stored (transformers re-ties it on load).
 Loading reads safetensors directly (one file, or shards listed in model.safetensors.index.json) and
 takes every tensor from the checkpoint, balancing biases included — transformers' `from_pretrained`
-resets the skip-class bias to -1 after loading (MODEL.md), this loader does not.
+resets the skip-class bias to -1 after loading (its `_init_weights` writes `balancing_biases[-1]`;
+measured with transformers 5.19), this loader does not.
 
 Invariants: a load checks that the checkpoint holds exactly the model's tensors with the model's
 shapes (missing, unexpected or mis-shaped keys raise); balancing biases are kept in fp32 whatever

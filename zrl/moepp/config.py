@@ -19,13 +19,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+from zrl.types import NO_ROUTE
+
 logger = logging.getLogger(__name__)
 
 MODEL_TYPE = "zaya"
 SUPPORTED_LAYER_TYPE = "hybrid"
-# Router replay stores expert ids as uint8 with this value meaning "no record": ids 0..E (E = skip)
-# must stay below it, so E <= 254.
-MAX_EXPERTS = 254
+# Routing records store expert ids as uint8 with NO_ROUTE (255) meaning "no record": ids 0..E
+# (E = skip) must stay below it, so E <= 254.
+MAX_EXPERTS = NO_ROUTE - 1
 
 # Keys of a zaya config.json that carry no architectural meaning for a training forward pass
 # (generation defaults, provenance, HF runtime switches). They are kept and written back unchanged.
@@ -84,8 +86,8 @@ class MoEPPConfig:
             raise ConfigError("num_key_value_heads * head_dim must be even: half of the value channels come "
                               "from the current token and half from the previous one")
         if self.num_experts > MAX_EXPERTS:
-            raise ConfigError(f"num_experts must be <= {MAX_EXPERTS} (uint8 expert ids with 255 as the "
-                              f"no-record sentinel), got {self.num_experts}")
+            raise ConfigError(f"num_experts must be <= {MAX_EXPERTS} (uint8 expert ids with 255 = "
+                              f"NO_ROUTE, no record), got {self.num_experts}")
         if not 0.0 <= self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even rotary "
                               f"dimension in [0, head_dim]; got {self.rotary_dim} of head_dim {self.head_dim}")
@@ -215,7 +217,7 @@ class MoEPPConfig:
 
 
 def zaya1_8b_config() -> MoEPPConfig:
-    """The ZAYA1-8B architecture (seeds/003 Table I; the HF `ZayaConfig` defaults)."""
+    """The ZAYA1-8B architecture (ZAYA1-8B report Table I; the HF `ZayaConfig` defaults)."""
     return MoEPPConfig(
         vocab_size=262_272, hidden_size=2048, num_hidden_layers=40, num_attention_heads=8,
         num_key_value_heads=2, head_dim=128, moe_intermediate_size=2048, num_experts=16,

@@ -29,7 +29,7 @@ from zrl.moepp.attention import CCAttention, QKNorm, rope_cos_sin
 from zrl.moepp.blocks import ResidualScaling, RMSNorm
 from zrl.moepp.config import MoEPPConfig
 from zrl.moepp.experts import MoEBlock, SwiGLUExperts
-from zrl.moepp.logprobs import chunked_token_logprobs
+from zrl.moepp.logprobs import SamplingDistribution, chunked_token_logprobs
 from zrl.moepp.packing import PackedLayout, build_layout
 from zrl.moepp.precision import Fp32Op, to_op_dtype
 from zrl.moepp.router import RouterOutput, ZayaRouter
@@ -179,6 +179,7 @@ class MoEPPForCausalLM(nn.Module):
         routing_replay: torch.Tensor | None = None,
         with_entropy: bool = False,
         chunk_tokens: int | None = None,
+        sampling: SamplingDistribution | None = None,
     ) -> CausalLMOutput | TokenLogprobs:
         """Without `targets`: full fp32 logits ([T, V] or [B, S, V]), for tests and small inputs.
         With `targets`: per-token log-probabilities, as `token_logprobs` returns them.
@@ -189,7 +190,7 @@ class MoEPPForCausalLM(nn.Module):
         if targets is not None:
             return self.token_logprobs(input_ids, targets, cu_seqlens=cu_seqlens, position_ids=position_ids,
                                        routing_replay=routing_replay, with_entropy=with_entropy,
-                                       chunk_tokens=chunk_tokens)
+                                       chunk_tokens=chunk_tokens, sampling=sampling)
         hidden, routing = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids,
                                              routing_replay=routing_replay)
         logits = hidden @ to_op_dtype(self.lm_head_weight, Fp32Op.LM_HEAD).t()  # [T, V]
@@ -205,19 +206,22 @@ class MoEPPForCausalLM(nn.Module):
         routing_replay: torch.Tensor | None = None,
         with_entropy: bool = False,
         chunk_tokens: int | None = None,
+        sampling: SamplingDistribution | None = None,
     ) -> TokenLogprobs:
         """log p(targets[t] | tokens <= t of its document), shaped like input_ids, fp32, differentiable.
 
         targets: same shape as input_ids (usually the next token; < 0 where there is none).
         The [T, V] logits are never materialised (chunked fp32 LM head, see logprobs.py). Entropy of
-        each token's distribution when `with_entropy`.
+        each token's distribution when `with_entropy`. `sampling`: the distribution is the rollout
+        engine's (temperature, top-k, top-p, min-p; see logprobs.py) instead of the plain softmax.
         """
         if targets.shape != input_ids.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} != input_ids shape {tuple(input_ids.shape)}")
         hidden, routing = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids,
                                              routing_replay=routing_replay)
         logprobs, entropy = chunked_token_logprobs(hidden, self.lm_head_weight, targets.reshape(-1),
-                                                   chunk_tokens=chunk_tokens, with_entropy=with_entropy)
+                                                   chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                                                   sampling=sampling)
         return TokenLogprobs(logprobs=_shaped(logprobs, input_ids.shape),
                              entropy=None if entropy is None else _shaped(entropy, input_ids.shape),
                              routing=routing)

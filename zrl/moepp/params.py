@@ -1,8 +1,8 @@
 """Optimizer parameter groups and parameter accounting of the MoE++ model.
 
-Grouping (seeds/000 §IV-B training paragraph, seeds/003 §IV): Muon for matrix-valued hidden weights
-— every `nn.Linear` weight inside the decoder layers (q/k/v/o projections, router down-projection
-and router MLP) and the 3-D expert tensors (E matrices each); AdamW for everything else —
+Grouping (the AMD platform paper §IV-B, the ZAYA1-8B report §IV-E; docs/algorithms.md §5): Muon for
+matrix-valued hidden weights — every `nn.Linear` weight inside the decoder layers (q/k/v/o
+projections, router down-projection and router MLP) and the 3-D expert tensors (E matrices each); AdamW for everything else —
 embeddings, an untied LM head, all 1-D parameters (norms, biases, residual scales, key temperatures,
 EDA coefficients) and the CCA convolution kernels. Balancing biases are buffers, not parameters:
 they belong to routing.BiasBalancer.

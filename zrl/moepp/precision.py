@@ -1,6 +1,6 @@
 """The FP32 op set of the MoE++ model: the single place that says which operations run in fp32.
 
-seeds/003 §IV-D: weights and activations are bf16, except a small set of operations that run in fp32
+ZAYA1-8B report §IV-D: weights and activations are bf16, except a small set of operations that run in fp32
 identically in the trainer and in the rollout engine (log-prob agreement between the two depends on
 the sets being equal, so the vLLM integration imports `FP32_OPS` from here rather than restating it).
 

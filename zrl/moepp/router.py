@@ -6,7 +6,7 @@ Per layer (T tokens, D hidden, R router latent, E experts; class E is the "skip"
   logits = out(gelu(fc2(gelu(fc1(RMSNorm(r))))))      [T, E + 1]
   probs = softmax(logits)                 fp32 (ROUTER_SOFTMAX)
   native = argmax(probs.detach() + balancing_biases)  biases steer the choice, never the gate weight
-  chosen = recorded id under router replay (unless the record is the sentinel), else native
+  chosen = recorded id under router replay (unless the record is NO_ROUTE), else native
   gate = probs[chosen]                    unbiased, not renormalised; gradients reach the router here
 
 Everything from RMSNorm to the gate is one op, zrl.moepp.kernels.router.route (a fused Triton kernel
@@ -27,11 +27,9 @@ from torch import nn
 
 from zrl.moepp.blocks import RMSNorm, linear
 from zrl.moepp.config import MoEPPConfig
-from zrl.moepp.kernels.router import REPLAY_SENTINEL, route, router_logits
+from zrl.moepp.kernels.router import route, router_logits
 
-# REPLAY_SENTINEL (255): a recorded expert id meaning "no record for this token": route natively (and
-# count it). Defined with the router op; re-exported here, where the rest of zrl imports it from.
-__all__ = ["REPLAY_SENTINEL", "RouterMLP", "RouterOutput", "ZayaRouter", "initial_balancing_biases"]
+__all__ = ["RouterMLP", "RouterOutput", "ZayaRouter", "initial_balancing_biases"]
 
 
 class RouterOutput(NamedTuple):

@@ -1,7 +1,7 @@
 """Routing records of a forward pass, routing statistics, and the bias-balancing controller.
 
-Shapes: T tokens, L MoE layers (= decoder layers), E experts; expert ids are in [0, E] with E the
-skip class; `REPLAY_SENTINEL` (255) in a replay record means "no record, route natively".
+Shapes (docs/shapes.md): T tokens, L MoE layers, E experts; expert ids are in [0, E] with E the skip
+class; `zrl.types.NO_ROUTE` (255) in a replay record means "no record, route natively".
 
 Everything here returns tensors without synchronising with the host, and counts rather than
 fractions where a caller may want to all-reduce across ranks before dividing.
@@ -15,7 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
-from zrl.moepp.router import REPLAY_SENTINEL, RouterOutput
+from zrl.moepp.router import RouterOutput
+from zrl.types import NO_ROUTE
+
+BIAS_BALANCER_LR = 1e-3  # AdamW lr of the balancing biases (a controller gain; the report gives none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +29,8 @@ class RoutingInfo:
     chosen_ids: torch.Tensor  # [T, L] uint8, the experts used (replayed where recorded)
     expert_counts: torch.Tensor  # [L, E + 1] int64 tokens per chosen class (skip last)
     replay_disagree: torch.Tensor | None  # [L] int64 recorded entries whose native id differs
-    replay_recorded: torch.Tensor | None  # [L] int64 entries with a record (not the sentinel)
-    replay_missing: torch.Tensor | None  # [L] int64 sentinel entries (routed natively)
+    replay_recorded: torch.Tensor | None  # [L] int64 entries with a record (not NO_ROUTE)
+    replay_missing: torch.Tensor | None  # [L] int64 NO_ROUTE entries (routed natively)
 
     @property
     def replay_mismatch_fraction(self) -> torch.Tensor | None:
@@ -44,7 +47,7 @@ def collect_routing(outputs: Sequence[RouterOutput], replay: torch.Tensor | None
     counts = torch.stack([torch.bincount(o.chosen, minlength=num_classes) for o in outputs])  # [L, E + 1]
     disagree = recorded = missing = None
     if replay is not None:
-        has_record = replay != REPLAY_SENTINEL  # [T, L]
+        has_record = replay != NO_ROUTE  # [T, L]
         recorded = has_record.sum(dim=0)
         missing = (~has_record).sum(dim=0)
         disagree = (has_record & (native != replay)).sum(dim=0)
@@ -61,10 +64,10 @@ def validate_replay(replay: torch.Tensor, num_tokens: int, num_layers: int, num_
     if tuple(replay.shape) != (num_tokens, num_layers):
         raise ValueError(f"routing_replay must be [T, L] = [{num_tokens}, {num_layers}], got {tuple(replay.shape)}")
     replay = replay.to(torch.int64)
-    bad = ((replay < 0) | (replay > num_experts)) & (replay != REPLAY_SENTINEL)
+    bad = ((replay < 0) | (replay > num_experts)) & (replay != NO_ROUTE)
     if bool(bad.any()):
-        raise ValueError(f"routing_replay ids must be in [0, {num_experts}] (skip = {num_experts}) or the "
-                         f"sentinel {REPLAY_SENTINEL}; found {replay[bad][0].item()}")
+        raise ValueError(f"routing_replay ids must be in [0, {num_experts}] (skip = {num_experts}) or "
+                         f"NO_ROUTE = {NO_ROUTE}; found {replay[bad][0].item()}")
     return replay
 
 
@@ -91,7 +94,7 @@ def routing_stats(expert_counts: torch.Tensor) -> RoutingStats:
 
 
 def balancing_error(expert_counts: torch.Tensor) -> torch.Tensor:
-    """seeds/003 eq. 5: grad b_{l,e} = p_{l,e} - 1/E, as an [L, E + 1] fp32 tensor.
+    """ZAYA1-8B report eq. 5: grad b_{l,e} = p_{l,e} - 1/E, as an [L, E + 1] fp32 tensor.
 
     p_{l,e} is expert e's share of the tokens layer l routed to real experts (the empirical routing
     distribution over the E experts, compared with the uniform one). The skip class is not balanced:
@@ -112,10 +115,11 @@ class BiasBalancer:
     Build it after the model has its final device and dtype (it holds the bias tensors). Call
     `step(counts)` with [L, E + 1] expert counts of the global batch (all-reduce them first when
     data-parallel, so every rank applies the same update). Whether to run it during RL is a recipe
-    choice (MODEL.md: default off, router replay pins choices anyway).
+    choice (`algorithm.router_bias_update`, default off: the report does not say, and router replay
+    pins the choices anyway; docs/algorithms.md §6).
     """
 
-    def __init__(self, biases: Sequence[torch.Tensor], *, lr: float = 1e-3,
+    def __init__(self, biases: Sequence[torch.Tensor], *, lr: float = BIAS_BALANCER_LR,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
         self.biases = list(biases)
         for b in self.biases:

@@ -1,4 +1,7 @@
-"""Layer sharding of Muon's Newton–Schulz work across FSDP2 ranks (seeds/004, "strategy #3").
+"""Layer sharding of Muon's Newton–Schulz work across FSDP2 ranks (Zyphra's layer-sharded Muon, strategy #3).
+
+Source and formula: docs/algorithms.md §5. Shapes (docs/shapes.md): a matrix is [m, n], a rank's row
+shard [m_r, n].
 
 Responsibility: given Muon parameters that FSDP2 holds as DTensors sharded on dim 0 (row shards),
 (1) describe each one's layout, (2) assign every whole 2-D matrix to one owner rank, balanced by NS
@@ -7,7 +10,7 @@ owner, and the reverse one that returns each rank its rows of the update.
 
 Invariants:
 - Row shards follow `torch.chunk` semantics on dim 0, exactly as FSDP2 / DTensor `Shard(0)` split
-  them: chunk = ceil(M / S); rank r holds rows [min(r·chunk, M), min((r+1)·chunk, M)) — trailing
+  them: chunk = ceil(m / world_size); rank r holds rows [min(r·chunk, m), min((r+1)·chunk, m)) — trailing
   ranks may hold zero rows (uneven shards).
 - Every rank computes the same plan from global shapes alone (no collective needed), so the
   split sizes agree on all ranks. Matrix i travels to owner(i) in item order.
@@ -106,7 +109,7 @@ def assign_owners(costs: Sequence[int], world_size: int, initial_loads: Sequence
 class LayerShardPlan:
     """Owner assignment and message layout for the 2-D matrices of one process group.
 
-    `shapes[i]` is the global [M, N] of matrix i; `steps` is the NS step count used for costs.
+    `shapes[i]` is the global [m, n] of matrix i; `steps` is the NS step count used for costs.
     """
 
     def __init__(self, shapes: Sequence[tuple[int, int]], world_size: int, rank: int,
@@ -146,7 +149,7 @@ class LayerShardPlan:
         return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
 
     def unpack_forward(self, recv: torch.Tensor) -> list[torch.Tensor]:
-        """Whole [M, N] matrices of `self.owned`, reassembled from every source's rows."""
+        """Whole [m, n] matrices of `self.owned`, reassembled from every source's rows."""
         pieces: dict[int, list[torch.Tensor]] = {i: [] for i in self.owned}
         offset = 0
         for s in range(self.world_size):
@@ -168,7 +171,7 @@ class LayerShardPlan:
 
     def pack_backward(self, updates: Sequence[torch.Tensor], skipped: Sequence[bool],
                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """`updates[k]` [M, N] and `skipped[k]` belong to `self.owned[k]`."""
+        """`updates[k]` [m, n] and `skipped[k]` belong to `self.owned[k]`."""
         parts = []
         for d in range(self.world_size):
             for k, i in enumerate(self.owned):
@@ -178,7 +181,7 @@ class LayerShardPlan:
         return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
 
     def unpack_backward(self, recv: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
-        """(local rows of the update [m_r, N], skipped) for every matrix, in item order."""
+        """(local rows of the update [m_r, n], skipped) for every matrix, in item order."""
         rows_of: dict[int, torch.Tensor] = {}
         flag_at: dict[int, int] = {}
         offset = 0

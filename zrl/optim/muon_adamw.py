@@ -1,4 +1,4 @@
-"""Momentum-free Muon + AdamW in one torch optimizer, FSDP2-aware (ALGORITHMS.md §5, seeds/003 §IV-E).
+"""Momentum-free Muon + AdamW in one torch optimizer, FSDP2-aware (ZAYA1-8B report §IV-E; docs/algorithms.md §5).
 
 Responsibility: one `torch.optim.Optimizer` whose param groups are tagged `"optimizer": "muon"` or
 `"adamw"`, so one LR scheduler, one `state_dict` and one `step()` serve the whole model.
@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import get_total_norm
 from torch.optim.adamw import adamw
 
+from zrl.config.schema import AdamWSpec, MuonSpec
 from zrl.optim.layer_shard import LayerShardPlan, ShardLayout, all_to_all, gather_full, shard_layout
 from zrl.optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, NS_STEPS, muon_update_scale, newton_schulz, ns_flops
 
@@ -47,16 +48,18 @@ MUON = "muon"
 ADAMW = "adamw"
 DistributedMode = Literal["layer_sharded", "replicated"]
 _COMM_DTYPE = torch.bfloat16  # NS casts to bf16 first, so bf16 on the wire loses nothing
+# Hyperparameter defaults are the recipe schema's (the one place defaults are written).
+_MUON_SPEC, _ADAMW_SPEC = MuonSpec(), AdamWSpec()
 
 
 @dataclass(frozen=True)
 class MuonHyperparams:
     """Defaults for "muon" groups; a group dict may override any field by name."""
 
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    momentum: float = 0.0
-    nesterov: bool = False
+    lr: float = _MUON_SPEC.lr
+    weight_decay: float = _MUON_SPEC.weight_decay
+    momentum: float = _MUON_SPEC.momentum
+    nesterov: bool = _MUON_SPEC.nesterov
     ns_steps: int = NS_STEPS
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
     eps: float = NS_EPS
@@ -70,10 +73,10 @@ class MuonHyperparams:
 class AdamWHyperparams:
     """Defaults for "adamw" groups; a group dict may override any field by name."""
 
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    lr: float = _MUON_SPEC.lr  # a recipe's AdamW lr defaults to Muon's (the update RMS is matched)
+    betas: tuple[float, float] = _ADAMW_SPEC.betas
+    eps: float = _ADAMW_SPEC.eps
+    weight_decay: float = _ADAMW_SPEC.weight_decay
 
     def __post_init__(self) -> None:
         _check_group(ADAMW, self.__dict__)
@@ -292,7 +295,7 @@ class MuonAdamW(torch.optim.Optimizer):
         send_splits, recv_splits = plan.forward_splits()
         send = plan.pack_forward([it.ns_input for it in group_items], _COMM_DTYPE, group_items[0].ns_input.device)
         stats.sent_elements += send.numel()
-        owned_full = plan.unpack_forward(all_to_all(send, send_splits, recv_splits, pg))  # [M, N] each
+        owned_full = plan.unpack_forward(all_to_all(send, send_splits, recv_splits, pg))  # [m, n] each
         owned_results: list[list[Any]] = [[None, None] for _ in plan.owned]
         for slot, i, full in zip(owned_results, plan.owned, owned_full):
             jobs.append((full.unsqueeze(0), group_items[i].group))
@@ -360,7 +363,7 @@ def _return_to_row_shards(pg, plan: LayerShardPlan, group_items: list[_MuonItem]
                               _COMM_DTYPE, group_items[0].ns_input.device)
     stats.sent_elements += send.numel()
     for item, (rows, skip) in zip(group_items, plan.unpack_backward(all_to_all(send, send_splits, recv_splits, pg))):
-        item.update = rows  # [m_r, N]
+        item.update = rows  # [m_r, n]
         item.skipped = torch.tensor([skip])
 
 

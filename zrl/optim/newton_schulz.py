@@ -1,4 +1,4 @@
-"""Newton–Schulz orthogonalisation, Muon's update scale and its FLOP count (ALGORITHMS.md §5).
+"""Newton–Schulz orthogonalisation, Muon's update scale and its FLOP count (docs/algorithms.md §5).
 
 Responsibility: the pure maths of one Muon update direction, for one matrix or a batch of them.
 
@@ -10,8 +10,8 @@ Invariants:
   taken in fp32 of the bf16-cast input, so casting to bf16 before communication changes nothing.
 - A zero matrix maps to a zero matrix (0 / (0 + eps) = 0 and the polynomial has no constant term).
 - Leading dimensions are batch dimensions: `[E, m, n]` is E independent matrices.
-- Tall matrices (m > n) are transposed so every matmul has the small side P = min(m, n) as its
-  outer dimension; the cost is `ns_flops` = steps · (4·P²·Q + 2·P³) with Q = max(m, n).
+- Tall matrices (m > n) are transposed so every matmul has the small side p = min(m, n) as its
+  outer dimension; the cost is `ns_flops` = steps · (4·p²·q + 2·p³) with q = max(m, n).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def muon_update_scale(m: int, n: int) -> float:
 def ns_flops(shape: torch.Size | tuple[int, ...], steps: int = NS_STEPS) -> int:
     """FLOPs of `steps` Newton–Schulz iterations on a `[..., m, n]` batch of matrices.
 
-    Per iteration on X [P, Q] (P ≤ Q): X·Xᵀ costs 2P²Q, A·A 2P³, B·X 2P²Q. seeds/004 rounds the
-    total 10·P²·(2Q + P) up to 30·P²·Q.
+    Per iteration on X [p, q] (p ≤ q): X·Xᵀ costs 2p²q, A·A 2p³, B·X 2p²q. The layer-sharded Muon
+    post (docs/algorithms.md, sources) rounds the 5-step total 10·p²·(2q + p) up to 30·p²·q.
     """
     if len(shape) < 2:
         raise ValueError(f"need a matrix or a batch of matrices, got shape {tuple(shape)}")
@@ -68,12 +68,12 @@ def newton_schulz(
     x = grad.to(torch.bfloat16).reshape(-1, grad.shape[-2], grad.shape[-1])  # [B, m, n]
     tall = x.shape[-2] > x.shape[-1]
     if tall:
-        x = x.mT  # [B, P, Q] with P <= Q
+        x = x.mT  # [B, p, q] with p <= q
     # The norm in fp32 of the bf16 values: the division is exact up to one bf16 rounding.
     norm = torch.linalg.matrix_norm(x.float(), keepdim=True)  # [B, 1, 1]
     x = (x.float() / (norm + eps)).to(torch.bfloat16)
     for _ in range(steps):
-        gram = torch.bmm(x, x.mT)  # [B, P, P]
+        gram = torch.bmm(x, x.mT)  # [B, p, p]
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A·A
         x = torch.baddbmm(x, poly, x, beta=a)  # a·X + B·X
     if tall:

@@ -146,7 +146,9 @@ def trainer_settings(recipe: Recipe, stage):
         budget = max(budget, stage.max_sequence_tokens)
     return TrainerSettings.from_stage(stage, token_budget=budget, param_dtype=recipe.model.dtype,
                                       kernels=recipe.model.kernels,
-                                      activation_checkpointing=recipe.resources.activation_checkpointing)
+                                      activation_checkpointing=recipe.resources.activation_checkpointing,
+                                      activation_offload=recipe.resources.activation_offload,
+                                      hsdp_replicas=recipe.resources.hsdp_replicas)
 
 
 class Cascade:
@@ -237,7 +239,7 @@ class Cascade:
         pool.actors = ranks
         from zrl.trainer import Rendezvous
 
-        addr, port = ray.get(ranks[0].address.remote())
+        addr, port = ray.get(ranks[0].address.remote("127.0.0.1" if pool.one_machine else None))
         settings = trainer_settings(self.recipe, first_stage)
         ray.get([r.start.remote(Rendezvous(addr, port, i, pool.size), self.model_path, settings)
                  for i, r in enumerate(ranks)])
@@ -257,20 +259,23 @@ class Cascade:
     def _run_stage(self, stage, ranks: list, first_step: int, step: int, data_state: dict | None) -> int:
         """Train the stage from `step` (its first step, or a checkpoint's with `data_state`) to its end."""
         checkpoint = self._checkpointer(stage, ranks)
-        resume = {} if data_state is None else {"resume_step": step, "data_state": data_state}
         if isinstance(stage, RLStage):
+            resume = {} if data_state is None else {"resume_version": step, "data_state": data_state}
             ctx = StageContext(ranks=ranks, rollout_pool=self.rollout_pool, model_path=self.model_path,
-                               engine_dtype=self.recipe.model.dtype, seed=self.recipe.seed + first_step,
-                               run_dir=str(self.run_dir), log_metrics=self._log(stage), checkpoint=checkpoint)
+                               engine_dtype=self.recipe.model.dtype, kernels=self.recipe.model.kernels,
+                               token_budget=trainer_settings(self.recipe, stage).token_budget,
+                               seed=self.recipe.seed + first_step, run_dir=str(self.run_dir),
+                               log_metrics=self._log(stage), checkpoint=checkpoint)
             frontier = self._frontier if stage.inherit.length_reward_state else None
-            runner = RLStageRunner(stage, ctx, start_version=first_step, frontier=frontier, **resume)
+            runner = RLStageRunner(stage, ctx, first_version=first_step, frontier=frontier, **resume)
             step = runner.run()
             self._frontier = runner.final_frontier
             return step
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.recipe.model.tokenizer_path or self.model_path)
-        return run_sft_stage(stage, ranks, tokenizer, seed=stage.seed + self.recipe.seed, start_version=first_step,
+        resume = {} if data_state is None else {"resume_step": step, "data_state": data_state}
+        return run_sft_stage(stage, ranks, tokenizer, seed=stage.seed + self.recipe.seed, first_version=first_step,
                              log_metrics=self._log(stage), checkpoint=checkpoint, **resume)
 
     def _finish_stage(self, index: int, ranks: list, step: int, elapsed_s: float) -> None:
@@ -294,8 +299,14 @@ class Cascade:
                  elapsed_s, hf_dir, "" if summary is None else f", summary plot {summary}")
 
     def _log(self, stage):
+        """The stage's metric sink: every `metrics.log_every_steps` steps and at the stage's last step."""
+        index = self.recipe.stages.index(stage)
+        last_step = stage_bounds(self.recipe)[index][1]
+        every = self.recipe.metrics.log_every_steps
+
         def log_metrics(step: int, values: dict) -> None:
-            self.metrics.log(step, {**values, "stage/index": float(self.recipe.stages.index(stage))})
+            if step % every == 0 or step == last_step:
+                self.metrics.log(step, {**values, "stage/index": float(index)})
         return log_metrics
 
     def _checkpointer(self, stage, ranks: list):

@@ -26,11 +26,20 @@ class Pool:
     gpus: float
     size: int
     actors: list = field(default_factory=list)
+    one_machine: bool = False  # the cluster is one node: process groups listen on loopback only
 
     def options(self, index: int, **extra) -> dict:
-        return dict(num_cpus=self.cpus, num_gpus=self.gpus, runtime_env={"env_vars": actor_env(self.cpus)},
+        env = actor_env(self.cpus)
+        if self.one_machine:
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's connections (trainer group, weight sync) on loopback
+        return dict(num_cpus=self.cpus, num_gpus=self.gpus, runtime_env={"env_vars": env},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index),
                     **extra)
+
+
+def one_machine() -> bool:
+    """Whether the Ray cluster is a single node (the embedded default)."""
+    return sum(1 for node in ray.nodes() if node["Alive"]) == 1
 
 
 def reserve_pool(name: str, size: int, cpus: float, gpus: float, timeout_s: float = 120.0) -> Pool:
@@ -41,7 +50,7 @@ def reserve_pool(name: str, size: int, cpus: float, gpus: float, timeout_s: floa
         remove_placement_group(group)
         raise RuntimeError(f"could not reserve the {name} pool ({size} x {bundle}) within {timeout_s:.0f} s; "
                            f"cluster resources: {ray.cluster_resources()}")
-    return Pool(group, cpus, gpus, size)
+    return Pool(group, cpus, gpus, size, one_machine=one_machine())
 
 
 def reserve_pools(resources: Resources) -> tuple[Pool, Pool]:

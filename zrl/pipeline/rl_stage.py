@@ -1,41 +1,54 @@
-"""Runs one RL stage: the asynchronous loop between rollout workers, verifiers, the buffer and trainers.
+"""Runs one RL stage: the transport of the asynchronous loop between rollout workers, verifiers, the
+buffer and the trainer ranks.
 
-The driver keeps every call in flight as a Ray object reference and reacts to whichever finishes:
-- a rollout *round* returns finished groups → each goes to a verifier (round robin);
-- a verification returns rewards → the group is admitted to the buffer;
-- when no step is training, the driver asks the buffer for a batch (it releases one only when
-  `min_ready_batches` are complete) and sends the same TrainBatch reference to every trainer rank;
-- a finished step advances the trainer step (the buffer evicts what became too stale) and, every
-  `sync_every_steps`, exports the weights once (rank 0's state dict, by reference) and queues an
-  in-place update on every rollout worker: it lands between two rounds, i.e. between engine steps,
-  while generation continues (PipelineRL "keep").
-Pacing: before each round a worker is given at most the buffer's admission credit of new groups, so
-generation does not run ahead of what the trainer can use within the staleness bound. Synchronous
-mode (max_staleness_steps = 0) uses the same loop and starts no round while a step trains or syncs.
-Faults: a rollout worker that dies is restarted by Ray (its in-flight groups are counted as lost and
-it gets the latest weights); a verifier call that exceeds `verifier_timeout_s` scores its group 0
-(counted) and the verifier is restarted.
+`StageSchedule` (schedule.py) decides what to start; this module starts it as Ray calls, keeps every
+call in flight as a named record (`RoundCall`, `VerifyCall`, ...) keyed by its object reference,
+and feeds what finished back to the schedule. Nothing here waits on a single call except stage
+set-up, checkpoints and the once-per-step metrics.
+
+Data plane (the driver sees ids, counts, versions and metrics only):
+- a rollout worker `ray.put`s every finished group, and its text apart; its round report carries
+  `GroupTicket`s (ids, counts, the two references);
+- a verifier gets the text by reference (Ray resolves it in the verifier) and returns rewards;
+- the buffer gets the same reference with the verifications (`admit_verified`, not waited on: Ray
+  runs one caller's calls to an actor in order, so the next credit question sees the admission);
+- the buffer's `release` returns one object per trainer rank, each rank's `RankShare`, and the driver
+  passes rank r the reference of share r only.
+Every value the driver does fetch goes through `_fetch`, which counts rollout-array bytes in it
+(`driver/rollout_array_bytes`, expected to stay 0).
+
+Weight sync (zrl.pipeline.weight_sync): over a collective group formed at the first sync (trainer rank
+0 + every rollout worker; loopback on one machine), or through the object store when
+`sync_transport: object_store` or when the group cannot be formed (logged once, with the reason).
+A restarted rollout worker gets its prompt stream back (the state of its last round) and every worker
+is synced again; a failed sync is retried the same way.
 """
 
+from __future__ import annotations
+
+import dataclasses
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
-from ray.exceptions import ActorDiedError, RayActorError
+from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError, ObjectLostError, RayActorError,
+                            RayError, RayTaskError)
 
 from zrl.algorithms import SolveRateFrontier
 from zrl.buffer import RolloutBuffer
 from zrl.config.schema import RLStage
 from zrl.pipeline.pools import Pool, light_actor
-from zrl.pipeline.rollout_worker import GeneratedGroup, RolloutWorker
+from zrl.pipeline.rollout_worker import GroupTicket, RolloutWorker
+from zrl.pipeline.schedule import StageSchedule
+from zrl.pipeline.stage_report import StageCounters, progress_line, step_metrics
 from zrl.pipeline.verifier import Verifier
-from zrl.types import RolloutGroup, Verification
+from zrl.types import Rollout, Verification, rollout_array_bytes
 
 log = logging.getLogger("zrl")
 
 NUM_VERIFIERS = 2
+MAX_FAILED_SYNCS = 6  # failed sync calls in a row (each member's failure counts) before the stage stops
 
 
 @dataclass
@@ -46,273 +59,394 @@ class StageContext:
     rollout_pool: Pool
     model_path: str
     engine_dtype: str           # "float32" | "bfloat16"
+    kernels: str                # the model's kernel backend, for the rollout engines too
+    token_budget: int           # the trainer's microbatch token budget (the buffer packs the shares)
     seed: int
     run_dir: str
     log_metrics: object         # callable(step: int, values: dict) -> None
     checkpoint: object = None   # callable(step: int, data_state: dict) -> None, or None
 
 
-@dataclass
-class _Counters:
-    lost_groups: int = 0
-    verifier_timeouts: int = 0
-    worker_restarts: int = 0
-    skipped_long_prompts: int = 0
-    generated_tokens: int = 0
-    rollout_busy_s: float = 0.0
-    train_busy_s: float = 0.0
-    sync_s: float = 0.0
-    sync_count: int = 0
-    extra: Counter = field(default_factory=Counter)
+# ---------------------------------------------------------------------------------- calls in flight
+
+@dataclass(frozen=True)
+class RoundCall:
+    worker: int
+    seq: int                    # submission order: tells a failure of the current incarnation from older ones
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    ticket: GroupTicket
+    verifier: int
+    started: float
+    retried: bool
+
+
+@dataclass(frozen=True)
+class AdmitCall:
+    ticket: GroupTicket
+
+
+@dataclass(frozen=True)
+class CreditCall:
+    pass
+
+
+@dataclass(frozen=True)
+class ReleaseCall:
+    shares: tuple               # one object reference per trainer rank
+
+
+@dataclass(frozen=True)
+class TrainCall:
+    refs: tuple                 # every rank's train_step (keyed by rank 0's)
+    started: float
+
+
+@dataclass(frozen=True)
+class TrainerSyncCall:
+    refs: tuple                 # every rank's sync_weights / export_state (keyed by rank 0's)
+    transport: str
+
+
+@dataclass(frozen=True)
+class WorkerSyncCall:
+    worker: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class CheckedCall:
+    what: str                   # a call whose only result is "it did not raise"
 
 
 class RLStageRunner:
-    def __init__(self, stage: RLStage, ctx: StageContext, start_version: int, resume_step: int | None = None,
+    def __init__(self, stage: RLStage, ctx: StageContext, first_version: int, resume_version: int | None = None,
                  data_state: dict | None = None, frontier: dict | None = None):
-        """Trains steps start_version+1 .. start_version+steps. With `resume_step` and a checkpoint's
-        `data_state` (the ranks already hold its weights) it continues after `resume_step`. `frontier`:
-        the running max solve rates a previous stage ended with (recipe `inherit.length_reward_state`)."""
+        """Trains the stage's steps from policy version `first_version` (or, with a checkpoint's
+        `data_state`, from `resume_version`, the ranks already holding its weights). `frontier`: the
+        running max solve rates a previous stage ended with (recipe `inherit.length_reward_state`)."""
         self.stage, self.ctx = stage, ctx
-        self.step = start_version if resume_step is None else resume_step
-        self.end_step = start_version + stage.steps
-        self.sync_mode = stage.asynchrony.max_staleness_steps == 0
-        self.counters = _Counters()
+        a = stage.asynchrony
+        version = first_version if resume_version is None else resume_version
         n = ctx.rollout_pool.size
-        self.workers = [self._start_worker(i) for i in range(n)]
+        self.schedule = StageSchedule(num_workers=n, policy_version=version, end_version=first_version + stage.steps,
+                                      prompts_per_batch=stage.sampling.prompts_per_batch,
+                                      sync_every_steps=a.sync_every_steps, synchronous=a.max_staleness_steps == 0)
+        self.counters = StageCounters(sync_transport=a.sync_transport)
+        self.workers = [self._start_worker(i, version) for i in range(n)]
         ctx.rollout_pool.actors = self.workers
-        self.worker_version = [self.step] * n
-        self.in_engine = [0] * n
         self.worker_states: list[dict] = [{} for _ in range(n)]  # from each worker's latest round
+        self.lost_at_seq: list[int | None] = [None] * n           # call seq at which a worker's death was handled
         inherited = SolveRateFrontier()
         inherited.load_state_dict(frontier or {})
         self.buffer = light_actor(RolloutBuffer, stage.asynchrony, stage.algorithm, stage.sampling,
-                                  stage_steps=stage.steps, first_step=start_version, frontier=inherited)
+                                  stage_steps=stage.steps, first_version=first_version, frontier=inherited)
         self.final_frontier: dict = dict(frontier or {})  # set from the buffer when the stage closes
         self.verifiers = [light_actor(Verifier, stage.environments, max_restarts=-1) for _ in range(NUM_VERIFIERS)]
-        self.rounds: dict = {}       # ref -> worker index
-        self.verifying: dict = {}    # ref -> (GeneratedGroup, started, verifier index, retried)
-        self.training: list | None = None
-        self.syncs: dict = {}        # ref -> worker index
-        self.latest_weights = None   # object ref of the last exported state dict
-        self.latest_version = self.step
-        self._restarted: set[int] = set()  # workers restarted and not yet back in sync
+        self.pending: dict = {}     # object reference -> the call record above
+        self.group_ready = False    # the collective sync group is formed
+        self.failed_syncs = 0
+        self._seq = 0
         self._next_verifier = 0
         self._window_start = time.perf_counter()
-        self._train_started = 0.0
+        self._sync_started = 0.0
         self._last_heartbeat = time.perf_counter()
         if data_state is not None:
             self._restore(data_state)
 
-    # ------------------------------------------------------------------ set-up
-
-    def _start_worker(self, index: int):
+    def _start_worker(self, index: int, version: int):
         ctx, pool = self.ctx, self.ctx.rollout_pool
         actor = ray.remote(RolloutWorker).options(**pool.options(index, max_restarts=1, max_task_retries=0))
-        return actor.remote(index, ctx.model_path, self.stage, ctx.seed, ctx.engine_dtype, initial_version=self.step)
-
-    def _sync_weights(self, workers: list[int]) -> None:
-        for w in workers:
-            ref = self.workers[w].update_weights.remote(self.latest_weights, self.latest_version)
-            self.syncs[ref] = w
+        return actor.remote(index, ctx.model_path, self.stage, ctx.seed, ctx.engine_dtype, policy_version=version,
+                            kernels=ctx.kernels, publish=ray.put)
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
-        # Start from the trainer's weights (they may differ from model_path after an earlier stage).
-        self.latest_weights = self.ctx.ranks[0].export_state.remote(self.ctx.engine_dtype)
-        others = [r.export_state.remote(self.ctx.engine_dtype) for r in self.ctx.ranks[1:]]
-        self._sync_weights(range(len(self.workers)))
-        ray.get(others)
-        log.info("stage %r: %d RL steps from trainer step %d (%s mode)", self.stage.name, self.end_step - self.step,
-                 self.step, "synchronous" if self.sync_mode else "asynchronous")
+        s = self.schedule
+        log.info("stage %r: %d RL steps from trainer step %d (%s mode, weight sync: %s)", self.stage.name,
+                 s.end_version - s.policy_version, s.policy_version,
+                 "synchronous" if s.synchronous else "asynchronous", self.counters.sync_transport)
         try:
-            while self.step < self.end_step:
-                self._launch_rounds()
-                self._maybe_train()
+            self._start_sync()  # start from the trainer's weights (they differ from model_path after a stage)
+            while not s.done:
+                self._start_work()
                 self._wait_and_handle()
                 self._expire_verifications()
                 self._heartbeat()
         finally:
             self._close()
-        return self.step
+        return s.policy_version
 
-    def _in_flight_groups(self) -> int:
-        return sum(self.in_engine) + len(self.verifying)
-
-    def _launch_rounds(self) -> None:
-        busy = set(self.rounds.values()) | set(self.syncs.values())
-        paused = self.sync_mode and (self.training is not None or self.syncs)
-        for w in range(len(self.workers)):
-            if w in busy:
-                continue
-            new = 0
-            if not paused:
-                credit = ray.get(self.buffer.admission_credit.remote(self._in_flight_groups(),
-                                                                     self.worker_version[w]))
-                new = min(credit, self.stage.sampling.prompts_per_batch)
-            if new == 0 and self.in_engine[w] == 0:
-                continue
-            self.in_engine[w] += new
-            self.rounds[self.workers[w].round.remote(new)] = w
-
-    def _maybe_train(self) -> None:
-        if self.training is not None or (self.sync_mode and self.syncs):
-            return
-        batch = ray.get(self.buffer.take_batch.remote(self.step))
-        if batch is None:
-            return
-        batch_ref = ray.put(batch)
-        self._train_started = time.perf_counter()
-        self.training = [rank.train_step.remote(batch_ref) for rank in self.ctx.ranks]
+    def _start_work(self) -> None:
+        s = self.schedule
+        if s.paused:
+            self._launch(s.plan_rounds(None))
+        elif s.wants_credit():
+            s.credit_requested = True
+            self.pending[self.buffer.admission_credit.remote(s.in_flight_groups(), s.generating_version())] = CreditCall()
+        if s.wants_resync():
+            self._start_sync()
+        if s.wants_batch():
+            s.batch_requested = True
+            world = len(self.ctx.ranks)
+            refs = self.buffer.release.options(num_returns=1 + world).remote(s.policy_version, world,
+                                                                              self.ctx.token_budget)
+            self.pending[refs[0]] = ReleaseCall(tuple(refs[1:]))
 
     def _wait_and_handle(self) -> None:
-        pending = list(self.rounds) + list(self.verifying) + list(self.syncs) + (self.training or [])
-        if not pending:
+        if not self.pending:
             time.sleep(0.05)
             return
-        ready, _ = ray.wait(pending, num_returns=1, timeout=0.2)
+        ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=0.2, fetch_local=False)
         for ref in ready:
-            if ref in self.rounds:
-                self._on_round(ref)
-            elif ref in self.verifying:
-                self._on_verified(ref)
-            elif ref in self.syncs:
-                self._on_synced(ref)
-        if self.training is not None:
-            done, _ = ray.wait(self.training, num_returns=len(self.training), timeout=0)
-            if len(done) == len(self.training):
-                self._on_trained()
+            call = self.pending.pop(ref)
+            handler = {RoundCall: self._on_round, VerifyCall: self._on_verified, AdmitCall: self._on_admitted,
+                       CreditCall: self._on_credit, ReleaseCall: self._on_released, TrainCall: self._on_trained,
+                       TrainerSyncCall: self._on_trainer_synced, WorkerSyncCall: self._on_worker_synced,
+                       CheckedCall: self._on_checked}[type(call)]
+            handler(call, ref)
 
-    def _on_round(self, ref) -> None:
-        w = self.rounds.pop(ref)
+    def _fetch(self, ref):
+        """ray.get, counting the rollout-array bytes of what came back (the data plane keeps it at 0)."""
+        value = ray.get(ref)
+        self.counters.driver_array_bytes += _rollout_bytes_in(value)
+        return value
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # ------------------------------------------------------------------ rounds and verification
+
+    def _launch(self, launches: list[tuple[int, int]]) -> None:
+        for w, new in launches:
+            self.pending[self.workers[w].round.remote(new)] = RoundCall(w, self._next_seq())
+
+    def _on_credit(self, call: CreditCall, ref) -> None:
+        self._launch(self.schedule.plan_rounds(self._fetch(ref)))
+
+    def _on_round(self, call: RoundCall, ref) -> None:
         try:
-            result = ray.get(ref)
+            report = self._fetch(ref)
         except RayActorError as exc:
-            self._worker_failed(w, exc)
+            self._worker_failed(call.worker, call.seq, exc)
             return
-        self.in_engine[w] = result.in_flight_groups
-        self.worker_states[w] = result.state
-        self.worker_version[w] = result.version
-        self.counters.generated_tokens += result.generated_tokens
-        self.counters.rollout_busy_s += result.busy_s
-        self.counters.skipped_long_prompts += result.skipped_long_prompts
-        self.counters.extra.update(result.canary_sums)
-        self.counters.extra["rollouts_generated"] += sum(len(g.rollouts) for g in result.groups)
-        for group in result.groups:
-            self._verify(group)
+        self.schedule.round_done(call.worker, len(report.tickets), report.in_flight_groups, report.policy_version)
+        self.schedule.progressed()
+        self.worker_states[call.worker] = report.state
+        c = self.counters
+        c.generated_tokens += report.generated_tokens
+        c.rollout_busy_s += report.busy_s
+        c.skipped_long_prompts += report.skipped_long_prompts
+        c.generated_array_bytes += report.array_bytes
+        c.canary_sums.update(report.canary_sums)
+        c.rollouts_generated += sum(t.num_rollouts for t in report.tickets)
+        for ticket in report.tickets:
+            self._verify(ticket)
 
-    def _verify(self, group: GeneratedGroup, retried: bool = False) -> None:
+    def _verify(self, ticket: GroupTicket, retried: bool = False) -> None:
         v = self._next_verifier
         self._next_verifier = (v + 1) % len(self.verifiers)
-        ref = self.verifiers[v].verify.remote(group.prompt, [r.text for r in group.rollouts])
-        self.verifying[ref] = (group, time.perf_counter(), v, retried)
+        ref = self.verifiers[v].verify_text.remote(ticket.text_ref)
+        self.pending[ref] = VerifyCall(ticket, v, time.perf_counter(), retried)
 
-    def _on_verified(self, ref) -> None:
-        group, _, _, retried = self.verifying.pop(ref)
+    def _on_verified(self, call: VerifyCall, ref) -> None:
         try:
-            verifications = ray.get(ref)
-        except RayActorError:
-            if not retried:  # its verifier was restarted under it: try once more elsewhere
-                self._verify(group, retried=True)
+            verifications = self._fetch(ref)
+        except RayError as exc:
+            if _group_lost(exc):  # its rollout worker died: the group's arrays died with it
+                self._group_lost(call.ticket)
                 return
-            verifications = tuple(Verification(0.0, error="verifier died") for _ in group.rollouts)
-        self._admit(group, verifications)
+            if not isinstance(exc, RayActorError):
+                raise
+            if not call.retried:  # its verifier was restarted under it: try once more elsewhere
+                self._verify(call.ticket, retried=True)
+                return
+            verifications = tuple(Verification(0.0, error="verifier died") for _ in range(call.ticket.num_rollouts))
+        self._admit(call.ticket, verifications)
 
-    def _admit(self, group: GeneratedGroup, verifications) -> None:
-        rollout_group = RolloutGroup(group_id=group.group_id, prompt=group.prompt, rollouts=group.rollouts,
-                                     verifications=tuple(verifications))
-        ray.get(self.buffer.admit.remote(rollout_group))
+    def _admit(self, ticket: GroupTicket, verifications) -> None:
+        self.pending[self.buffer.admit_verified.remote(ticket.ref, tuple(verifications))] = AdmitCall(ticket)
+        self.schedule.group_handed_on()
+
+    def _on_admitted(self, call: AdmitCall, ref) -> None:
+        try:
+            self._fetch(ref)
+        except RayError as exc:
+            if not _group_lost(exc):
+                raise
+            self.schedule.lost_groups += 1
+        self.schedule.progressed()
+
+    def _group_lost(self, ticket: GroupTicket) -> None:
+        self.schedule.group_handed_on()
+        self.schedule.lost_groups += 1
+        log.warning("group %s was lost with its rollout worker", ticket.group_id)
 
     def _expire_verifications(self) -> None:
         timeout = self.stage.asynchrony.verifier_timeout_s
         now = time.perf_counter()
-        for ref, (group, started, v, _) in list(self.verifying.items()):
-            if now - started > timeout:
-                del self.verifying[ref]
+        for ref, call in list(self.pending.items()):
+            if isinstance(call, VerifyCall) and now - call.started > timeout:
+                del self.pending[ref]
                 self.counters.verifier_timeouts += 1
                 log.warning("verifier call for group %s exceeded %.0f s: reward 0, restarting the verifier",
-                            group.group_id, timeout)
-                ray.kill(self.verifiers[v], no_restart=False)
-                self._admit(group, [Verification(0.0, error=f"timeout after {timeout:g} s")] * len(group.rollouts))
+                            call.ticket.group_id, timeout)
+                ray.kill(self.verifiers[call.verifier], no_restart=False)
+                self._admit(call.ticket, [Verification(0.0, error=f"timeout after {timeout:g} s")] * call.ticket.num_rollouts)
 
-    def _on_trained(self) -> None:
-        metrics = ray.get(self.training[0])
-        self.training = None
-        self.counters.train_busy_s += time.perf_counter() - self._train_started
-        self.step += 1
-        ray.get(self.buffer.set_trainer_step.remote(self.step))
-        sync_every = self.stage.asynchrony.sync_every_steps
-        if self.step % sync_every == 0 and self.step < self.end_step:
-            started = time.perf_counter()
-            exports = [r.export_state.remote(self.ctx.engine_dtype) for r in self.ctx.ranks]
-            self.latest_weights, self.latest_version = exports[0], self.step
-            self._sync_weights(range(len(self.workers)))
-            ray.get(exports)
-            self.counters.sync_s += time.perf_counter() - started
-            self.counters.sync_count += 1
-        self._report(metrics)
-        if self.ctx.checkpoint and (self.step % self.stage.checkpoint_every_steps == 0 or self.step == self.end_step):
-            self.ctx.checkpoint(self.step, self.data_state())
+    # ------------------------------------------------------------------ training
 
-    def _worker_failed(self, w: int, exc: RayActorError) -> None:
-        if isinstance(exc, ActorDiedError) and w in self._restarted:
-            raise RuntimeError(f"rollout worker {w} died again after a restart; giving up on the stage") from exc
-        if w not in self._restarted:
-            log.warning("rollout worker %d died; %d in-flight group(s) lost, Ray restarts it", w, self.in_engine[w])
-            self._restarted.add(w)
-            self.counters.lost_groups += self.in_engine[w]
-            self.counters.worker_restarts += 1
-            self.in_engine[w] = 0
-        self.worker_version[w] = -1  # unknown until the restarted engine has the latest weights
-        if w not in self.syncs.values():
-            self._sync_weights([w])
-
-    def _on_synced(self, ref) -> None:
-        w = self.syncs.pop(ref)
-        try:
-            stats = ray.get(ref)
-        except RayActorError as exc:  # the worker died or is restarting: sync it again once it is back
-            self._worker_failed(w, exc)
+    def _on_released(self, call: ReleaseCall, ref) -> None:
+        ticket = self._fetch(ref)
+        self.schedule.batch_answer(ticket is not None)
+        if ticket is None:
             return
-        self._restarted.discard(w)
-        self.worker_version[w] = int(stats["sync/version"])
-        self.counters.extra["sync/engine_update_s"] = stats["sync/update_s"]  # the latest in-place load
+        refs = tuple(rank.train_step.remote(share) for rank, share in zip(self.ctx.ranks, call.shares))
+        self.pending[refs[0]] = TrainCall(refs, time.perf_counter())
+
+    def _on_trained(self, call: TrainCall, ref) -> None:
+        metrics = [self._fetch(r) for r in call.refs][0]  # the ranks finish together (collectives)
+        self.counters.train_busy_s += time.perf_counter() - call.started
+        s = self.schedule
+        sync_due = s.step_done()
+        self.pending[self.buffer.set_trainer_step.remote(s.policy_version)] = CheckedCall("buffer.set_trainer_step")
+        if sync_due:
+            self._start_sync()
+        self._report(metrics)
+        step = s.policy_version
+        if self.ctx.checkpoint and (step % self.stage.checkpoint_every_steps == 0 or s.done):
+            self.ctx.checkpoint(step, self.data_state())
+
+    def _on_checked(self, call: CheckedCall, ref) -> None:
+        self._fetch(ref)
+
+    # ------------------------------------------------------------------ weight sync
+
+    def _start_sync(self) -> None:
+        s, ctx, a = self.schedule, self.ctx, self.stage.asynchrony
+        if self.counters.sync_transport == "collective" and not self.group_ready:
+            self._form_group()
+        transport = self.counters.sync_transport
+        s.sync_started()
+        self._sync_started = time.perf_counter()
+        if transport == "collective":
+            refs = tuple(r.sync_weights.remote(ctx.engine_dtype, int(a.sync_bucket_mib * 2**20)) for r in ctx.ranks)
+            calls = [w.receive_weights.remote() for w in self.workers]
+        else:  # rank 0's state dict goes from its process to the workers' through the object store
+            refs = tuple(r.export_state.remote(ctx.engine_dtype) for r in ctx.ranks)
+            calls = [w.update_weights.remote(refs[0], s.policy_version) for w in self.workers]
+        self.pending[refs[0]] = TrainerSyncCall(refs, transport)
+        for index, ref in enumerate(calls):
+            self.pending[ref] = WorkerSyncCall(index, self._next_seq())
+
+    def _form_group(self) -> None:
+        """Form the collective sync group (blocking: stage start and after faults only)."""
+        ctx, a = self.ctx, self.stage.asynchrony
+        host = "127.0.0.1" if ctx.rollout_pool.one_machine else None  # None: trainer rank 0's node address
+        backend = "nccl" if ctx.rollout_pool.gpus > 0 else "gloo"
+        joins = []
+        try:
+            address = ray.get(ctx.ranks[0].listen_for_sync.remote(host, len(self.workers), backend, a.sync_timeout_s))
+            joins = [ctx.ranks[0].join_sync.remote(address)]
+            joins += [w.join_sync.remote(address, i + 1) for i, w in enumerate(self.workers)]
+            ray.get(joins, timeout=a.sync_timeout_s)
+        except (RayError, GetTimeoutError) as exc:
+            log.warning("weight sync: the collective group could not be formed (%s); syncing through Ray's "
+                        "object store for the rest of the stage", _reason(exc))
+            self.counters.sync_transport = "object_store"
+            ray.wait(joins[:1], timeout=a.sync_timeout_s)  # rank 0 leaves its join (it times out) first
+            return
+        self.group_ready = True
+        log.info("weight sync: %s group of trainer rank 0 and %d rollout worker(s) at %s:%d", backend,
+                 len(self.workers), address.host, address.port)
+
+    def _on_trainer_synced(self, call: TrainerSyncCall, ref) -> None:
+        # Under the object store rank 0's result is the whole state dict: never fetch it here.
+        refs = call.refs if call.transport == "collective" else call.refs[1:]
+        try:
+            sent = [self._fetch(r) for r in refs]
+        except RayError as exc:
+            self._sync_failed("the trainer side", exc)
+            self.schedule.trainer_synced(ok=False)
+            return
+        self.schedule.trainer_synced()
+        self.failed_syncs = 0
+        c = self.counters
+        c.sync_s += time.perf_counter() - self._sync_started
+        c.sync_count += 1
+        if call.transport == "collective":
+            c.sync_bytes = sent[0].num_bytes
+            c.sync_peak_extra_bytes["sender"] = sent[0].peak_extra_bytes
+
+    def _on_worker_synced(self, call: WorkerSyncCall, ref) -> None:
+        try:
+            received = self._fetch(ref)
+        except RayActorError as exc:
+            self._worker_failed(call.worker, call.seq, exc)
+            return
+        except RayTaskError as exc:  # the collective failed or timed out (a member died)
+            self._sync_failed(f"rollout worker {call.worker}", exc)
+            self.schedule.worker_synced(call.worker, None)
+            return
+        self.schedule.worker_synced(call.worker, received.policy_version)
+        c = self.counters
+        c.sync_engine_s = received.seconds
+        c.sync_peak_extra_bytes["receiver"] = received.peak_extra_bytes
+        if c.sync_transport == "object_store":
+            c.sync_bytes = received.num_bytes
+
+    def _sync_failed(self, where: str, exc: RayError) -> None:
+        """Log a failed sync; after MAX_FAILED_SYNCS in a row (a cause that will not go away), stop."""
+        self.group_ready = False
+        self.failed_syncs += 1
+        reason = _reason(exc)
+        if self.failed_syncs >= MAX_FAILED_SYNCS:
+            raise RuntimeError(f"weight sync failed {self.failed_syncs} times in a row, last on {where}: {reason}") from exc
+        log.warning("weight sync failed on %s (%s); syncing every worker again", where, reason)
+
+    def _worker_failed(self, w: int, seq: int, exc: RayActorError) -> None:
+        lost_at = self.lost_at_seq[w]
+        if lost_at is not None and seq < lost_at:
+            return  # a call that failed with the same death, already handled
+        if lost_at is not None and isinstance(exc, ActorDiedError):
+            raise RuntimeError(f"rollout worker {w} died again after a restart; giving up on the stage") from exc
+        lost = self.schedule.worker_lost(w)
+        self.lost_at_seq[w] = self._next_seq()
+        log.warning("rollout worker %d died; %d in-flight group(s) lost; Ray restarts it, it continues its prompt "
+                    "stream and every worker is synced again", w, lost)
+        self._await_restart(w)
+        if self.worker_states[w]:  # the restarted worker continues its prompt stream, not from draw 0
+            ray.get(self.workers[w].load_state_dict.remote(self.worker_states[w]))
+        self.group_ready = False
+
+    def _await_restart(self, w: int) -> None:
+        """Block until Ray has restarted worker `w` (calls to a restarting actor fail at once)."""
+        deadline = time.monotonic() + self.stage.asynchrony.sync_timeout_s
+        while True:
+            try:
+                ray.get(self.workers[w].state_dict.remote())
+                return
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rollout worker {w} did not come back within "
+                                       f"{self.stage.asynchrony.sync_timeout_s:g} s of its restart") from None
+                time.sleep(1.0)
 
     # ------------------------------------------------------------------ reporting and state
 
     def _report(self, trainer_metrics: dict[str, float]) -> None:
         now = time.perf_counter()
-        window = max(now - self._window_start, 1e-9)
-        c = self.counters
-        values = dict(trainer_metrics)
-        values.update(ray.get(self.buffer.metrics.remote()))
-        values.update({
-            "throughput/rollout_tokens_per_s": c.generated_tokens / window,
-            "throughput/rollout_idle_frac": max(0.0, 1 - c.rollout_busy_s / (window * len(self.workers))),
-            "throughput/trainer_idle_frac": max(0.0, 1 - c.train_busy_s / window),
-            "sync/time_s": c.sync_s / max(c.sync_count, 1), "sync/count": float(c.sync_count),
-            "sync/worker_version_min": float(min(self.worker_version)),
-            "faults/lost_groups": float(c.lost_groups), "faults/worker_restarts": float(c.worker_restarts),
-            "faults/verifier_timeouts": float(c.verifier_timeouts),
-            "rollout/skipped_long_prompts": float(c.skipped_long_prompts),
-            "rollout/in_flight_groups": float(self._in_flight_groups()),
-            "sync/engine_update_s": float(c.extra.get("sync/engine_update_s", 0.0)),
-        })
-        rollouts = c.extra.pop("rollouts_generated", 0)
-        for key in [k for k in c.extra if k.startswith("canary/")]:
-            total = c.extra.pop(key)
-            if rollouts:
-                values[key] = total / rollouts
-        self.ctx.log_metrics(self.step, values)
-        log.info("step %d/%d | reward %.3f | loss %.4f | staleness max %d | buffered %d | gen %.0f tok/s | "
-                 "train %.0f tok/s | sync %.2f s | idle rollout %.0f%% trainer %.0f%%",
-                 self.step, self.end_step, values.get("reward/mean", float("nan")), values.get("loss/policy", float("nan")),
-                 int(values.get("staleness/max", 0)), int(values.get("buffer/occupancy", 0)),
-                 values["throughput/rollout_tokens_per_s"], values.get("perf/tokens_per_s", 0.0),
-                 values["sync/time_s"], 100 * values["throughput/rollout_idle_frac"],
-                 100 * values["throughput/trainer_idle_frac"])
+        values = step_metrics(self.counters, self.schedule, trainer_metrics, ray.get(self.buffer.metrics.remote()),
+                              now - self._window_start)
+        step = self.schedule.policy_version
+        self.ctx.log_metrics(step, values)
+        log.info(progress_line(step, self.schedule.end_version, values))
         self._window_start = now
-        c.generated_tokens, c.rollout_busy_s, c.train_busy_s = 0, 0.0, 0.0
+        self.counters.reset_window()
 
     def _heartbeat(self, every_s: float = 30.0) -> None:
         """While no step completes, say what the buffer sees (e.g. every group dropped as zero-signal)."""
@@ -321,9 +455,9 @@ class RLStageRunner:
             return
         self._last_heartbeat = now
         counts = ray.get(self.buffer.counts.remote())
-        log.info("waiting for step %d: %s | in flight %d group(s) | %s", self.step + 1,
-                 ", ".join(f"{k} {v}" for k, v in counts.items()), self._in_flight_groups(),
-                 "training" if self.training is not None else "buffer not ready")
+        log.info("waiting for step %d: %s | in flight %d group(s) | %s", self.schedule.policy_version + 1,
+                 ", ".join(f"{k} {v}" for k, v in counts.items()), self.schedule.in_flight_groups(),
+                 "training" if self.schedule.training else "buffer not ready")
 
     def data_state(self) -> dict:
         """Buffer state and each worker's state as of its last round (asking a worker now could block on
@@ -346,15 +480,46 @@ class RLStageRunner:
         ray.get([w.load_state_dict.remote(s) for w, s in zip(self.workers, saved) if s])
         self.worker_states[:len(saved)] = saved[:len(self.workers)]
         log.info("stage %r: resumed at trainer step %d (buffer counters and %d worker prompt position(s) "
-                 "restored)", self.stage.name, self.step, min(len(saved), len(self.workers)))
+                 "restored)", self.stage.name, self.schedule.policy_version, min(len(saved), len(self.workers)))
 
     def _close(self) -> None:
-        if self.training is not None:
-            ray.get(self.training)  # ranks must finish their collectives before anything else runs
-            self.training = None
+        # Collectives first: ranks must finish a step or a sync before anything else runs on them.
+        for call in list(self.pending.values()):
+            if isinstance(call, (TrainCall, TrainerSyncCall)):
+                ray.get(list(call.refs[1:]) if isinstance(call, TrainerSyncCall) and call.transport != "collective"
+                        else list(call.refs))
+        self.pending.clear()
+        ray.get(self.ctx.ranks[0].close_sync.remote())
         self.final_frontier = ray.get(self.buffer.state_dict.remote())["frontier"]
         # In-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) leave no shared-memory segments behind:
         # killing the actor process releases everything it held.
         for actor in self.workers + self.verifiers + [self.buffer]:
             ray.kill(actor)
         self.ctx.rollout_pool.actors = []
+
+
+def _reason(exc: Exception) -> str:
+    """One line saying why a Ray call failed: the remote exception, not Ray's wrapper."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else None
+    text = repr(cause) if cause is not None else str(exc) or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def _group_lost(exc: RayError) -> bool:
+    """Whether a call failed because a group's object was lost (its owner, the rollout worker, died)."""
+    return isinstance(exc, ObjectLostError) or (isinstance(exc, RayTaskError)
+                                                and isinstance(getattr(exc, "cause", None), ObjectLostError))
+
+
+def _rollout_bytes_in(value) -> int:
+    """Rollout-array bytes held by a value the driver fetched: rollouts anywhere inside it (dataclass
+    fields, containers), so a report that smuggled a group in would be counted."""
+    if isinstance(value, Rollout):
+        return rollout_array_bytes(value)
+    if isinstance(value, (list, tuple)):
+        return sum(_rollout_bytes_in(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_rollout_bytes_in(v) for v in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(_rollout_bytes_in(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0

@@ -1,27 +1,41 @@
-"""RolloutWorker: one vLLM engine generating groups for one stage (a Ray actor hosts it; style rule 1).
+"""RolloutWorker: one vLLM engine generating groups for one stage (a Ray actor hosts it; docs/design.md,
+style rule 1).
 
-The controller drives it in short *rounds*: `round(new_groups)` draws that many prompts from the
+The stage loop drives it in short *rounds*: `round(new_groups)` draws that many prompts from the
 stage's prompt source, submits G samples of each, runs engine steps for at most `round_seconds`, and
-returns the groups that finished. Requests still running stay in the engine between rounds with their
-KV cache and CCA state, so a weight update (`update_weights`, queued between two rounds by the
-controller) lands between engine steps while generation is in flight (PipelineRL "keep"): tokens
-sampled after it carry the new version in their segments.
+reports the groups that finished. Requests still running stay in the engine between rounds with their
+KV cache and CCA state, so a weight update (queued between two rounds by the loop) lands between
+engine steps while generation is in flight (PipelineRL "keep"): tokens sampled after it carry the new
+version in their segments.
 
-Invariants: a group is returned once, complete (all G samples), in `Rollout` form; prompts longer than
+Data plane: a finished group's arrays (token ids, logprobs, routing) never travel in the round's
+report. The worker `publish`es each group twice (Ray: `ray.put`, so both stay in the object store):
+whole, for the buffer, and as its `GroupText` (prompt and responses), for the verifier, which then
+never pulls routing records. The report carries a `GroupTicket`: ids, counts and both references.
+The loop, which reads only reports, never holds rollout arrays.
+
+Weight sync: `join_sync` makes the worker a receiver of the trainer's sync group; `receive_weights`
+takes one streamed sync and loads it in place as it arrives (zrl.pipeline.weight_sync).
+`update_weights` is the fallback that loads a whole state dict (or a reference to one).
+
+Invariants: a group is reported once, complete (all G samples); prompts longer than
 `max_prompt_tokens` are skipped and counted, never truncated.
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from zrl.canaries import gibberish_fraction, rare_token_fractions
 from zrl.config.schema import RLStage
 from zrl.moepp.config import MoEPPConfig
+from zrl.pipeline.weight_sync import HostPeakMemory, SyncAddress, SyncGroup, drain
 from zrl.prompts import PromptSource
-from zrl.types import Prompt, Rollout
+from zrl.types import Prompt, Rollout, rollout_array_bytes
 
 
 @dataclass(frozen=True)
@@ -34,15 +48,46 @@ class GeneratedGroup:
 
 
 @dataclass(frozen=True)
-class RoundResult:
-    groups: list[GeneratedGroup]
+class GroupText:
+    """What a verifier reads of a group: the prompt and the decoded responses, no arrays."""
+
+    prompt: Prompt
+    texts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GroupTicket:
+    """A finished group as the stage loop sees it: ids and counts; the data stays behind references."""
+
+    group_id: str
+    env: str
+    num_rollouts: int
+    num_response_tokens: int
+    ref: Any                       # what `publish` returned for the GeneratedGroup (Ray: an ObjectRef)
+    text_ref: Any                  # ... and for its GroupText (the verifier fetches only this)
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    tickets: list[GroupTicket]
     in_flight_groups: int          # groups still generating in this worker
     generated_tokens: int          # response tokens sampled during the round
     busy_s: float                  # wall time spent in engine steps
-    version: int                   # the engine's policy version at the end of the round
+    policy_version: int            # the engine's policy version at the end of the round
     skipped_long_prompts: int = 0
+    array_bytes: int = 0           # bytes of the finished groups' rollout arrays (published, not in the report)
     canary_sums: dict = field(default_factory=dict)  # monitor name -> sum over the finished rollouts
     state: dict = field(default_factory=dict)         # the worker's state_dict() after the round
+
+
+@dataclass(frozen=True)
+class SyncReceived:
+    """What a rollout worker did in one weight sync (the typed reply to the loop)."""
+
+    policy_version: int
+    seconds: float                 # receiving and loading (the engine is paused this long)
+    num_bytes: int
+    peak_extra_bytes: int          # host memory peak above the level before the sync (-1 unknown)
 
 
 @dataclass
@@ -53,31 +98,39 @@ class _Open:
 
 class RolloutWorker:
     def __init__(self, worker_index: int, model_path: str | Path, stage: RLStage, seed: int, dtype: str,
-                 initial_version: int = 0, round_seconds: float = 0.5, max_num_seqs: int = 256):
+                 policy_version: int = 0, kernels: str = "auto", publish: Callable[[GeneratedGroup], Any] | None = None,
+                 round_seconds: float = 0.5, max_num_seqs: int = 256):
+        """`seed`: the stage's seed (the recipe's, offset by the stage); `publish`: how a finished group
+        is handed on (None: the report carries the group itself, for in-process use)."""
         from serving.engine import RolloutEngine, SamplingConfig
+        from zrl.moepp import kernels as kernel_backend
 
+        kernel_backend.set_backend(kernels)
         s = stage.sampling
         self.worker_index = worker_index
         self.stage = stage
         self.group_size = s.group_size
         self.max_prompt_tokens = s.max_prompt_tokens
         self.round_seconds = round_seconds
+        self.publish = publish if publish is not None else (lambda group: group)
         self.sampling = SamplingConfig(max_tokens=s.max_response_tokens, temperature=s.temperature, top_p=s.top_p,
                                        top_k=max(s.top_k, 0), min_p=s.min_p, stop=tuple(s.stop))
+        seed += s.seed  # the recipe's per-stage offset of the sampling streams
+        stream_seed = seed * 1000 + worker_index
         self.engine = RolloutEngine(model_path, dtype=dtype, max_model_len=s.max_prompt_tokens + s.max_response_tokens,
-                                    max_num_seqs=max_num_seqs, seed=seed + worker_index,
-                                    initial_version=initial_version)
-        self.source = PromptSource(stage.environments, seed=seed * 1000 + worker_index)
+                                    max_num_seqs=max_num_seqs, seed=seed + worker_index, policy_version=policy_version)
+        self.source = PromptSource(stage.environments, seed=stream_seed)
         self.vocab_size = MoEPPConfig.from_pretrained_dir(model_path).vocab_size
         self.rare_bands = tuple(stage.algorithm.canaries.rare_token_bands)
-        self._rng = np.random.default_rng(seed * 1000 + worker_index)
+        self._rng = np.random.default_rng(stream_seed)
         self._open: dict[int, _Open] = {}
+        self._sync_group: SyncGroup | None = None
 
     @property
-    def version(self) -> int:
+    def policy_version(self) -> int:
         return self.engine.version
 
-    def round(self, new_groups: int) -> RoundResult:
+    def round(self, new_groups: int) -> RoundReport:
         skipped = self._submit(new_groups)
         finished, busy = [], 0.0
         deadline = time.perf_counter() + self.round_seconds
@@ -91,12 +144,16 @@ class RolloutWorker:
                     finished.append(self._close(sample.group_id))
             busy += time.perf_counter() - t0
         generated = sum(len(r.token_ids) for g in finished for r in g.rollouts) + self._in_flight_tokens() - before
-        return RoundResult(groups=finished, in_flight_groups=len(self._open), generated_tokens=generated,
-                           busy_s=busy, version=self.engine.version, skipped_long_prompts=skipped,
+        tickets = [GroupTicket(g.group_id, g.prompt.env, len(g.rollouts), sum(len(r.token_ids) for r in g.rollouts),
+                               self.publish(g), self.publish(GroupText(g.prompt, tuple(r.text for r in g.rollouts))))
+                   for g in finished]
+        return RoundReport(tickets=tickets, in_flight_groups=len(self._open), generated_tokens=generated,
+                           busy_s=busy, policy_version=self.engine.version, skipped_long_prompts=skipped,
+                           array_bytes=sum(rollout_array_bytes(r) for g in finished for r in g.rollouts),
                            canary_sums=self._token_canaries(finished), state=self.state_dict())
 
     def _token_canaries(self, groups: list[GeneratedGroup]) -> dict[str, float]:
-        """Rare-token and gibberish monitors (no gate), summed over rollouts; the controller averages."""
+        """Rare-token and gibberish monitors (no gate), summed over rollouts; the loop averages."""
         sums: dict[str, float] = {}
         for rollout in (r for g in groups for r in g.rollouts):
             fractions = rare_token_fractions(rollout.token_ids, self.vocab_size, self.rare_bands)
@@ -107,9 +164,41 @@ class RolloutWorker:
             sums[key] = sums.get(key, 0.0) + gibberish_fraction(rollout.token_ids, rollout.logprobs, self.vocab_size)
         return sums
 
-    def update_weights(self, state_dict, version: int) -> dict[str, float]:
-        stats = self.engine.update_weights(state_dict, version=version)
-        return {"sync/update_s": stats.seconds, "sync/bytes": float(stats.num_bytes), "sync/version": float(version)}
+    # ------------------------------------------------------------------ weights
+
+    def join_sync(self, address: SyncAddress, group_rank: int) -> None:
+        """Join the trainer's weight-sync group (blocks until every member has joined)."""
+        self.leave_sync()
+        self._sync_group = SyncGroup(address, group_rank)
+
+    def leave_sync(self) -> None:
+        if self._sync_group is not None:
+            self._sync_group.close()
+            self._sync_group = None
+
+    def receive_weights(self) -> SyncReceived:
+        """Take one streamed sync from the group and load it in place as it arrives."""
+        from serving.worker_ext import WeightStream
+
+        if self._sync_group is None:
+            raise RuntimeError(f"rollout worker {self.worker_index} is in no weight-sync group")
+        start = time.perf_counter()
+        with HostPeakMemory() as memory:
+            header, tensors = self._sync_group.receive()
+            try:
+                self.engine.update_weights(WeightStream(frozenset(header.names()), tensors), version=header.version)
+            finally:
+                drain(tensors)  # a failed load still completes the collective for the others
+        return SyncReceived(header.version, time.perf_counter() - start, header.num_bytes, memory.peak_extra_bytes)
+
+    def update_weights(self, state_dict, version: int) -> SyncReceived:
+        """Fallback sync: load a whole state dict (or an object reference to one) in place."""
+        start = time.perf_counter()
+        with HostPeakMemory() as memory:
+            stats = self.engine.update_weights(state_dict, version=version)
+        return SyncReceived(version, time.perf_counter() - start, stats.num_bytes, memory.peak_extra_bytes)
+
+    # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
         """Prompt-stream position and sampling-seed generator: enough to continue the same streams."""
@@ -121,6 +210,7 @@ class RolloutWorker:
             self._rng.bit_generator.state = state["seed_rng"]
 
     def close(self) -> None:
+        self.leave_sync()
         self.engine.close()
 
     # ------------------------------------------------------------------ helpers

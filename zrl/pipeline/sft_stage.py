@@ -1,9 +1,10 @@
 """Runs one SFT stage: supervised warm start on demonstrations that the stage's environments produce.
 
 Each step draws `examples_per_step` prompts from the stage's prompt source, renders them with the
-tokenizer's chat template (the assistant turn opens the reasoning section), appends the environment's
-demonstration and the end-of-turn token, and sends the same examples to every trainer rank, which pack
-their share and take one optimizer step (token-mean NLL over the global batch). Examples longer than
+tokenizer's chat template (the assistant turn opens the reasoning section), appends the demonstration
+of the environment entry that made the prompt (found by the key the prompt source stamped on it) and
+the end-of-turn token, and sends the same examples to every trainer rank, which pack their share and
+take one optimizer step (token-mean NLL over the global batch). Examples longer than
 `max_sequence_tokens` are skipped and counted, never truncated.
 Resume: the prompt source's draw counter is the whole data position (zrl/prompts.py), so a stage
 continued from a checkpoint builds the same examples an uninterrupted run would have built.
@@ -26,7 +27,7 @@ def build_examples(source: PromptSource, tokenizer, n: int, max_tokens: int):
     from zrl.trainer import SFTExample
 
     examples, skipped = [], 0
-    entries = {e.env.name: e.env for e in source.entries}
+    entries = {e.key: e.env for e in source.entries}
     for prompt in source.next_prompts(n):
         demo = entries[prompt.env].demonstration(prompt)
         if demo is None:
@@ -42,13 +43,13 @@ def build_examples(source: PromptSource, tokenizer, n: int, max_tokens: int):
     return examples, skipped
 
 
-def run_sft_stage(stage: SFTStage, ranks: list, tokenizer, seed: int, start_version: int, log_metrics,
+def run_sft_stage(stage: SFTStage, ranks: list, tokenizer, seed: int, first_version: int, log_metrics,
                   checkpoint=None, resume_step: int | None = None, data_state: dict | None = None) -> int:
-    """Train steps start_version+1 .. start_version+steps; returns the last. With `resume_step` and a
+    """Train steps first_version+1 .. first_version+steps; returns the last. With `resume_step` and a
     checkpoint's `data_state` (the ranks already hold its weights) it continues after `resume_step`."""
     source = PromptSource(stage.environments, seed=seed)
-    step = start_version
-    end = start_version + stage.steps
+    step = first_version
+    end = first_version + stage.steps
     if data_state is not None:
         if data_state.get("stage") != stage.name:
             raise ValueError(f"stage {stage.name!r}: the checkpoint's data state is of stage {data_state.get('stage')!r}")

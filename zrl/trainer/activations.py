@@ -1,4 +1,4 @@
-"""Host offload of the activations autograd keeps for backward (seeds/003 §IV-C "memory and recompute").
+"""Host offload of the activations autograd keeps for backward (ZAYA1-8B report §IV-C, "memory and recompute").
 
 With activation checkpointing on every decoder layer, what autograd still holds between forward and
 backward is, per layer, the layer's input [T, D] (kept by the checkpoint to recompute the layer),

@@ -1,14 +1,15 @@
 """Rollouts (or SFT examples) -> flat packed microbatches for one rank, by the shared packing plan.
 
-Layout of one sequence (prompt p_0..p_{P-1}, response y_0..y_{R-1}, full = p ++ y):
-  inputs  = full[:-1]        P + R - 1 tokens (the last sampled token predicts nothing)
-  targets = full[1:]         the response token y_j is the target at input position P - 1 + j
-  loss_mask, behaviour logprobs, advantages, versions: set at positions P - 1 .. P + R - 2
-  routing = rollout.routing[:P + R - 1]   ([P + R, L] recorded; its last row is never an input)
+Layout of one sequence (prompt p_0..p_{Tp-1}, response y_0..y_{Tr-1}, full = p ++ y; docs/shapes.md):
+  inputs  = full[:-1]        Tp + Tr - 1 tokens (the last sampled token predicts nothing)
+  targets = full[1:]         the response token y_j is the target at input position Tp - 1 + j
+  loss_mask, behaviour logprobs, advantages, versions: set at positions Tp - 1 .. Tp + Tr - 2
+  routing = rollout.routing[:Tp + Tr - 1]   ([Tp + Tr, L] recorded; its last row is never an input)
 Sequences are laid end to end in plan order with `cu_seqlens` boundaries; no padding anywhere.
 
-Every rank computes the same `PackingPlan` from the same batch (deterministic) and builds only its
-own share, so no data is scattered. A rollout with an empty response has no loss token: it is not
+The packing plan (zrl.trainer.packing) decides which rank and microbatch every sequence goes to; an RL
+rank receives only its own share of the batch (`RankShare`), an SFT rank plans from the same examples
+as every other rank (deterministic) and builds only its own microbatches. A rollout with an empty response has no loss token: it is not
 packed (it still counts in the global N_seq, which comes from the batch). A plan slot with no
 sequence becomes `dummy_microbatch()`: one token with no loss, run only so that the rank joins the
 FSDP2 collectives of that microbatch.
@@ -22,17 +23,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from zrl.moepp.router import REPLAY_SENTINEL
-from zrl.trainer.packing import PackingPlan, plan_microbatches
-from zrl.types import Rollout
+from zrl.trainer.packing import RankPlan, input_length, plan_rank  # noqa: F401  (re-exported)
+from zrl.types import NO_ROUTE, Rollout
 
 
 @dataclass(frozen=True)
 class SFTExample:
     """One supervised demonstration: the loss is on `token_ids` given `prompt_ids`."""
 
-    prompt_ids: np.ndarray  # [P] int, P >= 1
-    token_ids: np.ndarray  # [R] int
+    prompt_ids: np.ndarray  # [Tp] int, Tp >= 1
+    token_ids: np.ndarray  # [Tr] int
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Microbatch:
     behaviour_logprobs: torch.Tensor  # [T] fp32, 0 off the mask
     advantages: torch.Tensor  # [T] fp32, 0 off the mask
     versions: torch.Tensor  # [T] int64 policy version that sampled the target, -1 off the mask
-    routing: torch.Tensor | None  # [T, L] uint8 recorded expert ids (255 = no record), None = native
+    routing: torch.Tensor | None  # [T, L] uint8 recorded expert ids (NO_ROUTE = no record), None = native
     num_sequences: int  # N (0 for the dummy)
 
     @property
@@ -57,36 +57,6 @@ class Microbatch:
     @property
     def is_dummy(self) -> bool:
         return self.num_sequences == 0
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """This rank's share of a batch: microbatches as lists of batch indices (empty = dummy)."""
-
-    microbatches: list[list[int]]
-    plan: PackingPlan
-    lengths: list[int]  # [N_seq] input tokens per sequence (0 = not packed)
-
-
-def input_length(prompt_len: int, response_len: int) -> int:
-    """Tokens a sequence occupies in a microbatch (0 when it has no loss token)."""
-    if prompt_len < 1:
-        raise ValueError("every sequence needs at least one prompt token (the first response token is "
-                         "predicted from it)")
-    return prompt_len + response_len - 1 if response_len > 0 else 0
-
-
-def plan_rank(lengths: Sequence[int], rank: int, world_size: int, token_budget: int) -> RankPlan:
-    """Pack the sequences with a non-zero length; return `rank`'s microbatches as batch indices."""
-    too_long = [(i, n) for i, n in enumerate(lengths) if n > token_budget]
-    if too_long:  # reported here with batch indices (the plan sees only the packed subset)
-        raise ValueError(f"sequences (batch index, input tokens) longer than the token budget {token_budget}: "
-                         f"{too_long[:5]}; raise the trainer token_budget to at least max_prompt_tokens + "
-                         "max_response_tokens")
-    packed = [i for i, n in enumerate(lengths) if n > 0]
-    plan = plan_microbatches([lengths[i] for i in packed], world_size, token_budget)
-    mine = [[packed[j] for j in mb] for mb in plan.microbatches[rank]]
-    return RankPlan(microbatches=mine, plan=plan, lengths=list(lengths))
 
 
 def _sequence(prompt_ids: np.ndarray, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -157,7 +127,7 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, indices: 
 def _routing_rows(rollout: Rollout, length: int, num_layers: int, index: int) -> np.ndarray:
     """[length, L] uint8 recorded ids of the input tokens; all 255 when the rollout has no record."""
     if rollout.routing is None:
-        return np.full((length, num_layers), REPLAY_SENTINEL, dtype=np.uint8)
+        return np.full((length, num_layers), NO_ROUTE, dtype=np.uint8)
     if rollout.routing.ndim != 2 or rollout.routing.shape[1] != num_layers:
         raise ValueError(f"rollout {index}: routing has shape {rollout.routing.shape}, the model has "
                          f"{num_layers} MoE layers")
@@ -191,5 +161,5 @@ def dummy_microbatch(device: torch.device, num_layers: int | None = None) -> Mic
         behaviour_logprobs=torch.zeros(1, device=device), advantages=torch.zeros(1, device=device),
         versions=-one,
         routing=(None if num_layers is None else
-                 torch.full((1, num_layers), REPLAY_SENTINEL, dtype=torch.uint8, device=device)),
+                 torch.full((1, num_layers), NO_ROUTE, dtype=torch.uint8, device=device)),
         num_sequences=0)

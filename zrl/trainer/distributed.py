@@ -3,11 +3,11 @@
 Responsibility: join the trainer pool's torch.distributed group from the rendezvous the controller
 hands out (gloo on CPU, NCCL on GPU), build a 1-D (FSDP) or 2-D (HSDP: replicate x shard) device
 mesh, and apply `fully_shard` per decoder layer and to the root (the model itself holds no
-distributed code, DESIGN.md style rule 4).
+distributed code, docs/design.md style rule 4).
 
 Invariants:
 - Gradient reduction SUMS over data-parallel ranks (no division by the world size): every loss term
-  the trainer back-propagates is already normalised by GLOBAL counts (ALGORITHMS.md §4), so the sum
+  the trainer back-propagates is already normalised by GLOBAL counts (docs/algorithms.md §4), so the sum
   over microbatches and ranks is the global-batch gradient itself. The default FSDP2 average would
   shrink it by the data-parallel size.
 - Parameters that get no gradient on a rank (an expert no local token was routed to, a layer where
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -73,12 +74,27 @@ def init_process_group(rendezvous: Rendezvous) -> bool:
     backend = rendezvous.resolved_backend
     if backend == "nccl":
         torch.cuda.set_device(torch.cuda.current_device())
-    dist.init_process_group(
-        backend, init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
-        rank=rendezvous.rank, world_size=rendezvous.world_size,
-        timeout=datetime.timedelta(seconds=rendezvous.timeout_s))
+    dist.init_process_group(backend, store=_rendezvous_store(rendezvous), rank=rendezvous.rank,
+                            world_size=rendezvous.world_size, timeout=datetime.timedelta(seconds=rendezvous.timeout_s))
     logger.info("joined %s process group as rank %d of %d", backend, rendezvous.rank, rendezvous.world_size)
     return True
+
+
+def _rendezvous_store(rendezvous: Rendezvous) -> dist.TCPStore:
+    """The group's key-value store. Rank 0 serves it on `master_addr` only (a socket bound there and
+    handed to the store: torch's own TCPStore server would listen on every interface), so a run on
+    one machine, which meets at 127.0.0.1, opens no port to the network."""
+    timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
+    if rendezvous.rank != 0:
+        return dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, rendezvous.world_size, False,
+                             timeout=timeout)
+    family = socket.AF_INET6 if ":" in rendezvous.master_addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((rendezvous.master_addr, rendezvous.master_port))
+    sock.listen()
+    return dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, rendezvous.world_size, True,
+                         timeout=timeout, master_listen_fd=sock.detach())
 
 
 def device_of_backend(backend: str) -> torch.device:

@@ -1,10 +1,12 @@
 """Full-weight export of the sharded policy: versioned buckets for weight sync, and HF `zaya` files.
 
-`iter_weight_buckets` walks the model's parameters (tied embedding once) and buffers in module order,
-all-gathers ONE parameter at a time (`DTensor.full_tensor`), casts it to the engine dtype and yields
-buckets of about `bucket_bytes`; a rank therefore never holds more than one bucket plus one gathered
-parameter beyond its shards. All ranks must iterate to the end together (each gather is a collective);
-ranks that do not send weights simply drop the buckets.
+`iter_full_tensors` walks the model's parameters (tied embedding once) and buffers in module order,
+all-gathers ONE parameter at a time (`DTensor.full_tensor`) and casts it to the engine dtype;
+`weight_specs` lists the same names, shapes and dtypes without gathering anything (the layout a weight
+sync announces before it streams). `iter_weight_buckets` groups the tensors into buckets of about
+`bucket_bytes`, so a rank never holds more than one bucket plus one gathered parameter beyond its
+shards. All ranks must iterate to the end together (each gather is a collective); ranks that do not
+send weights simply drop what they gathered.
 
 Names are Hugging Face checkpoint keys (`model.<name>`, zrl.moepp.checkpoint), which the rollout
 engine's loader reads. Parameters are cast to `dtype`; buffers (the fp32 balancing biases) keep
@@ -24,12 +26,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from zrl.config.schema import Asynchrony
 from zrl.moepp import save_hf_checkpoint
 from zrl.moepp.checkpoint import from_hf_name, to_hf_name
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_BYTES = 512 << 20
+DEFAULT_BUCKET_BYTES = int(Asynchrony.model_fields["sync_bucket_mib"].default * 2**20)  # the recipe's default
 # Files besides the weights that make an exported directory loadable by tokenizer and engine.
 _COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "generation_config.json")
@@ -56,7 +59,26 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]
     yield from ((name, b, False) for name, b in model.named_buffers() if name in persistent)
 
 
+def _export_dtype(tensor: torch.Tensor, is_param: bool, dtype: torch.dtype | None) -> torch.dtype:
+    """Parameters are cast to `dtype`; buffers (the fp32 balancing biases) keep theirs."""
+    return dtype if is_param and dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
+def weight_specs(model: nn.Module, dtype: torch.dtype | None = torch.bfloat16) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(HF key, full shape, exported dtype) of every exported tensor, in export order; local, no gather."""
+    return [(to_hf_name(name), tuple(tensor.shape), _export_dtype(tensor, is_param, dtype))
+            for name, tensor, is_param in _named_tensors(model)]
+
+
 @torch.no_grad()
+def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF key, full tensor) one at a time, in `weight_specs` order; collective: every rank iterates
+    to the end (each sharded parameter is all-gathered when its turn comes)."""
+    for name, tensor, is_param in _named_tensors(model):
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        yield to_hf_name(name), full.to(_export_dtype(tensor, is_param, dtype))
+
+
 def iter_weight_buckets(model: nn.Module, *, version: int, dtype: torch.dtype | None = torch.bfloat16,
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:
     """Yield the full weights in HF key names, bucketed; collective (every rank iterates to the end)."""
@@ -64,15 +86,12 @@ def iter_weight_buckets(model: nn.Module, *, version: int, dtype: torch.dtype | 
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     pending: list[tuple[str, torch.Tensor]] = []
     size, index = 0, 0
-    for name, tensor, is_param in _named_tensors(model):
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-        if is_param and dtype is not None and full.is_floating_point():
-            full = full.to(dtype)
+    for name, full in iter_full_tensors(model, dtype):
         nbytes = full.numel() * full.element_size()
         if pending and size + nbytes > bucket_bytes:
             yield WeightBucket(version=version, index=index, tensors=tuple(pending), last=False)
             pending, size, index = [], 0, index + 1
-        pending.append((to_hf_name(name), full))
+        pending.append((name, full))
         size += nbytes
     yield WeightBucket(version=version, index=index, tensors=tuple(pending), last=True)
 

@@ -1,6 +1,6 @@
 """One microbatch's share of the RL (or SFT) objective, and the statistics the step reports.
 
-RL (ALGORITHMS.md §3-4, seeds/003 §IV-B1): the trainer recomputes log p of every response token with
+RL (docs/algorithms.md §3-4, ZAYA1-8B report §IV-B1): the trainer recomputes log p of every response token with
 the recorded experts (router replay), applies the recipe's trust region against the behaviour
 logprob log q, and aggregates with the recipe's mode normalised by GLOBAL counts (N_seq, N_tok of the
 whole TrainBatch, T_norm = max_response_tokens). Each microbatch returns its share; the sum over
@@ -25,6 +25,7 @@ from zrl.algorithms import TrustRegionStats, aggregate_loss, policy_loss
 from zrl.canaries import MismatchStats, mismatch_sums
 from zrl.canaries.mismatch import NUM_SUMS
 from zrl.moepp import routing_stats
+from zrl.moepp.logprobs import SamplingDistribution
 from zrl.trainer.batch import Microbatch
 
 _MISMATCH_MAX = NUM_SUMS - 1  # the max |p - q| entry of a mismatch sums vector
@@ -38,6 +39,8 @@ class RLObjective:
     trust_region_params: dict  # keyword options of that trust region (delta, is_cap, clip_low, ...)
     aggregation: str  # zrl.algorithms.AGGREGATION_NAMES
     max_response_tokens: int  # T_norm of seq_mean_token_sum_norm
+    # the rollout engine's sampling distribution: log p is computed under it, as the behaviour log q was
+    sampling: SamplingDistribution = SamplingDistribution()
 
 
 @dataclass
@@ -46,17 +49,20 @@ class MicrobatchOutput:
     logprobs: torch.Tensor  # [T] detached trainer log p of the targets
 
 
-def forward_logprobs(model, mb: Microbatch, *, with_entropy: bool, chunk_tokens: int | None = None):
-    """log p of every target of the packed stream with router replay; returns moepp's TokenLogprobs."""
+def forward_logprobs(model, mb: Microbatch, *, with_entropy: bool, chunk_tokens: int | None = None,
+                     sampling: SamplingDistribution | None = None):
+    """log p of every target of the packed stream with router replay, under `sampling` (None: the plain
+    softmax); returns moepp's TokenLogprobs."""
     return model.token_logprobs(mb.input_ids, mb.targets, cu_seqlens=mb.cu_seqlens, routing_replay=mb.routing,
-                                with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+                                with_entropy=with_entropy, chunk_tokens=chunk_tokens, sampling=sampling)
 
 
 def rl_microbatch_loss(model, mb: Microbatch, objective: RLObjective, *, global_num_seqs: int,
                        global_num_tokens: int, trainer_step: int, stats: StepStats | None = None,
                        with_entropy: bool = True, chunk_tokens: int | None = None) -> MicrobatchOutput:
     """Forward one microbatch and return its loss term; adds its statistics to `stats` (not the dummy's)."""
-    out = forward_logprobs(model, mb, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+    out = forward_logprobs(model, mb, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+                           sampling=objective.sampling)
     pl = policy_loss(objective.trust_region, out.logprobs, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
                      **objective.trust_region_params)
     loss = aggregate_loss(objective.aggregation, pl.token_loss, mb.loss_mask, mb.seq_idx,
@@ -84,6 +90,12 @@ class StepStats:
 
     Every key exists from the start with its reduction's identity (0 for SUM, -inf for MAX), so all
     ranks reduce vectors of the same layout even when a rank ran only dummy microbatches.
+
+    `mismatch/*` compares the engine's and the trainer's logprobs over every loss token;
+    `mismatch/onpolicy_*` over the tokens sampled by the very weights being trained (token version ==
+    trainer step), where any difference is numerical mismatch alone, not policy change. Such tokens
+    exist only on steps that train right after a weight sync: on the others `onpolicy_num_tokens` is 0
+    and the statistics are left out (not NaN), so dashboards and the stage plots show no point there.
     """
 
     def __init__(self, kind: str, *, num_layers: int, num_classes: int, device: torch.device,
@@ -174,7 +186,9 @@ class StepStats:
             for key, prefix in (("mismatch", "mismatch/"), ("mismatch_onpolicy", "mismatch/onpolicy_")):
                 sums = s[key].clone()
                 sums[_MISMATCH_MAX] = self.maxes[key + "_max"][0]
-                out.update({prefix + k: v for k, v in MismatchStats.from_sums(sums.cpu()).as_metrics().items()})
+                stats = MismatchStats.from_sums(sums.cpu())
+                values = stats.as_metrics() if stats.num_tokens else {"num_tokens": 0.0}  # no tokens: count only
+                out.update({prefix + k: v for k, v in values.items()})
         if "replay" in s:
             disagree, recorded, missing = s["replay"].tolist()
             out["routing/replay_disagree_frac"] = disagree / recorded if recorded else math.nan

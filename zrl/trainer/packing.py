@@ -1,6 +1,6 @@
 """Token-budget packing of variable-length sequences into microbatches, balanced across ranks.
 
-Plan (pure, deterministic; seeds/002 §10.3 on balancing RL batches):
+Plan (pure, deterministic; after Megatron-Core MoE §10.3 on balancing RL batches, docs/algorithms.md sources):
 1. Assign sequences to data-parallel ranks, longest first, each to the rank with the lowest load, where
    load blends tokens and attention cost (sum of len^2) normalised by their batch totals: tokens decide
    MLP/expert time, len^2 decides attention time.
@@ -13,7 +13,12 @@ Invariants: every sequence index appears exactly once; no microbatch exceeds the
 longer than the budget is an error (a document is never split).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+from zrl.types import RankShare, TrainBatch
 
 
 @dataclass(frozen=True)
@@ -121,3 +126,59 @@ def _split_point(mb: list[int], lengths: list[int]) -> int:
         if best_gap is None or gap < best_gap:
             best, best_gap = k, gap
     return best
+
+
+def input_length(prompt_len: int, response_len: int) -> int:
+    """Tokens a sequence occupies in a microbatch (0 when it has no loss token)."""
+    if prompt_len < 1:
+        raise ValueError("every sequence needs at least one prompt token (the first response token is "
+                         "predicted from it)")
+    return prompt_len + response_len - 1 if response_len > 0 else 0
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's part of a plan: microbatches as lists of batch indices (empty = no sequence)."""
+
+    microbatches: list[list[int]]
+    plan: PackingPlan
+    lengths: list[int]  # [N_seq] input tokens per sequence (0 = not packed)
+
+
+def plan_ranks(lengths: Sequence[int], world_size: int, token_budget: int) -> list[RankPlan]:
+    """Pack the sequences with a non-zero length; every rank's microbatches as batch indices."""
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > token_budget]
+    if too_long:  # reported here with batch indices (the plan sees only the packed subset)
+        raise ValueError(f"sequences (batch index, input tokens) longer than the token budget {token_budget}: "
+                         f"{too_long[:5]}; raise the trainer token_budget to at least max_prompt_tokens + "
+                         "max_response_tokens")
+    packed = [i for i, n in enumerate(lengths) if n > 0]
+    plan = plan_microbatches([lengths[i] for i in packed], world_size, token_budget)
+    return [RankPlan(microbatches=[[packed[j] for j in mb] for mb in rank], plan=plan, lengths=list(lengths))
+            for rank in plan.microbatches]
+
+
+def plan_rank(lengths: Sequence[int], rank: int, world_size: int, token_budget: int) -> RankPlan:
+    """`rank`'s part of `plan_ranks` (every rank computes the same plan from the same lengths)."""
+    return plan_ranks(lengths, world_size, token_budget)[rank]
+
+
+def split_batch(batch: TrainBatch, world_size: int, token_budget: int) -> list[RankShare]:
+    """One `RankShare` per trainer rank: the rollouts the plan packs on that rank, with global counts.
+
+    Rollouts with an empty response are on no rank (they have no loss token) but count in N_seq.
+    """
+    rollouts, advantages = batch.rollouts(), batch.advantages()
+    lengths = [input_length(len(r.prompt_ids), len(r.token_ids)) for r in rollouts]
+    shares = []
+    for rank, part in enumerate(plan_ranks(lengths, world_size, token_budget)):
+        order = [i for mb in part.microbatches for i in mb]
+        local = {i: k for k, i in enumerate(order)}
+        shares.append(RankShare(
+            trainer_step=batch.trainer_step, rank=rank, rollouts=tuple(rollouts[i] for i in order),
+            advantages=advantages[order],
+            microbatches=tuple(tuple(local[i] for i in mb) for mb in part.microbatches),
+            num_sequences=batch.num_sequences, num_response_tokens=batch.num_response_tokens,
+            max_staleness=batch.max_staleness, mean_staleness=float(np.mean(batch.staleness)),
+            advantage_abs_mean=float(np.mean(np.abs(advantages))), packing_stats=part.plan.stats()))
+    return shares

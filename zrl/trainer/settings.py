@@ -11,34 +11,44 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zrl.config.schema import Algorithm, ModelSpec, Optimizer, Resources, RLStage, Sampling, SFTStage
 from zrl.moepp.kernels import BACKENDS
-from zrl.config.schema import Algorithm, Optimizer, RLStage, SFTStage
+from zrl.moepp.logprobs import SamplingDistribution
+from zrl.moepp.routing import BIAS_BALANCER_LR
 from zrl.optim import AdamWHyperparams, MuonHyperparams
 from zrl.trainer.loss import RLObjective
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# The dtype names recipes and deployment settings use, and their torch dtypes (the one such map).
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Defaults of the fields a recipe also sets are the recipe schema's (the one place defaults are written).
+_RESOURCES, _MODEL = Resources.model_fields, ModelSpec.model_fields
 
 
 @dataclass(frozen=True)
 class TrainerSettings:
     optimizer: Optimizer = field(default_factory=Optimizer)  # recipe spec: Muon + AdamW, schedule, clipping
     algorithm: Algorithm = field(default_factory=Algorithm)  # trust region, aggregation, replay, bias update
-    max_response_tokens: int = 81920  # T_norm of the Dr-GRPO aggregation (the stage's generation cap)
+    # T_norm of the Dr-GRPO aggregation (the stage's generation cap)
+    max_response_tokens: int = Sampling.model_fields["max_response_tokens"].default
+    # the rollout engine's temperature and filters: the trainer's log p is taken under them
+    sampling: SamplingDistribution = SamplingDistribution()
     total_steps: int | None = None  # the stage's optimizer steps (needed by the cosine schedule)
-    token_budget: int = 131072  # tokens per rank per microbatch (seeds/003 §IV-C)
-    param_dtype: str = "bfloat16"  # compute dtype of the gathered parameters; masters and reduction fp32
-    kernels: str = "auto"  # zrl.moepp.kernels backend of this rank's model: auto, triton or reference
-    activation_checkpointing: bool = True  # recompute each decoder layer in backward
-    activation_offload: bool = False  # keep saved layer inputs in host memory (accelerators only)
-    hsdp_replicas: int = 1  # > 1: 2-D mesh, shard within world_size / hsdp_replicas ranks, replicate across
+    token_budget: int = _RESOURCES["trainer_microbatch_tokens"].default  # tokens per rank per microbatch
+    # compute dtype of the gathered parameters; masters and reduction fp32
+    param_dtype: str = _MODEL["dtype"].default
+    kernels: str = _MODEL["kernels"].default  # zrl.moepp.kernels backend: auto, triton or reference
+    activation_checkpointing: bool = _RESOURCES["activation_checkpointing"].default  # recompute each layer
+    activation_offload: bool = _RESOURCES["activation_offload"].default  # saved layer inputs in host memory
+    # > 1: 2-D mesh, shard within world_size / hsdp_replicas ranks, replicate across
+    hsdp_replicas: int = _RESOURCES["hsdp_replicas"].default
     muon_mode: str = "layer_sharded"  # zrl.optim distributed_mode ("replicated" = baseline)
-    bias_balancer_lr: float = 1e-3  # AdamW lr of the router balancing biases (when bias update is on)
+    bias_balancer_lr: float = BIAS_BALANCER_LR  # AdamW lr of the router balancing biases (bias update on)
     with_entropy: bool = True  # compute the policy entropy of response tokens for metrics
     logprob_chunk_tokens: int | None = None  # LM-head chunk (None: zrl.moepp default)
 
     def __post_init__(self) -> None:
-        if self.param_dtype not in _DTYPES:
-            raise ValueError(f"param_dtype must be one of {sorted(_DTYPES)}, got {self.param_dtype!r}")
+        if self.param_dtype not in DTYPES:
+            raise ValueError(f"param_dtype must be one of {sorted(DTYPES)}, got {self.param_dtype!r}")
         if self.kernels not in BACKENDS:
             raise ValueError(f"kernels must be one of {', '.join(BACKENDS)}, got {self.kernels!r}")
         if self.token_budget < 2 or self.max_response_tokens < 1 or self.hsdp_replicas < 1:
@@ -48,13 +58,15 @@ class TrainerSettings:
     def from_stage(cls, stage: RLStage | SFTStage, **deployment) -> TrainerSettings:
         """Settings of a recipe stage; `deployment` sets the non-recipe fields (token_budget, ...)."""
         if isinstance(stage, RLStage):
-            return cls(optimizer=stage.optimizer, algorithm=stage.algorithm,
-                       max_response_tokens=stage.sampling.max_response_tokens, total_steps=stage.steps, **deployment)
+            s = stage.sampling
+            sampling = SamplingDistribution(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+            return cls(optimizer=stage.optimizer, algorithm=stage.algorithm, max_response_tokens=s.max_response_tokens,
+                       sampling=sampling, total_steps=stage.steps, **deployment)
         return cls(optimizer=stage.optimizer, total_steps=stage.steps, **deployment)
 
     @property
     def torch_param_dtype(self) -> torch.dtype:
-        return _DTYPES[self.param_dtype]
+        return DTYPES[self.param_dtype]
 
     @property
     def replay(self) -> bool:
@@ -63,7 +75,8 @@ class TrainerSettings:
     def objective(self) -> RLObjective:
         tr = self.algorithm.trust_region.model_dump()
         return RLObjective(trust_region=tr.pop("type"), trust_region_params=tr,
-                           aggregation=self.algorithm.loss_aggregation, max_response_tokens=self.max_response_tokens)
+                           aggregation=self.algorithm.loss_aggregation, max_response_tokens=self.max_response_tokens,
+                           sampling=self.sampling)
 
     def muon_hyperparams(self) -> MuonHyperparams:
         m = self.optimizer.muon

@@ -15,9 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from zrl.moepp.router import REPLAY_SENTINEL
 from zrl.trainer.batch import SFTExample
-from zrl.types import Prompt, Rollout, RolloutGroup, TrainBatch, Verification
+from zrl.types import NO_ROUTE, Prompt, Rollout, RolloutGroup, TrainBatch, Verification
 
 
 def synthetic_train_batch(*, vocab_size: int, num_layers: int, num_experts: int, num_groups: int, group_size: int,
@@ -57,7 +56,7 @@ def synthetic_train_batch(*, vocab_size: int, num_layers: int, num_experts: int,
 
 def _record(prompt: np.ndarray, tokens: np.ndarray, num_layers: int, num_experts: int, rng: np.random.Generator,
             model: torch.nn.Module | None, flip_fraction: float, noise: float) -> tuple[np.ndarray, np.ndarray]:
-    """(behaviour logprobs [R] float32, routing [P + R, L] uint8) of one rollout."""
+    """(behaviour logprobs [Tr] float32, routing [Tp + Tr, L] uint8) of one rollout."""
     total = len(prompt) + len(tokens)
     if model is None:
         logprobs = np.log(rng.uniform(0.02, 1.0, size=len(tokens))).astype(np.float32)
@@ -66,7 +65,7 @@ def _record(prompt: np.ndarray, tokens: np.ndarray, num_layers: int, num_experts
         full = torch.from_numpy(np.concatenate([prompt, tokens]).astype(np.int64))
         with torch.no_grad():
             out = model.token_logprobs(full[:-1], full[1:]) if total > 1 else None
-        routing = np.full((total, num_layers), REPLAY_SENTINEL, dtype=np.uint8)
+        routing = np.full((total, num_layers), NO_ROUTE, dtype=np.uint8)
         logprobs = np.zeros(len(tokens), dtype=np.float32)
         if out is not None:
             routing[:-1] = out.routing.native_ids.numpy()
@@ -75,7 +74,7 @@ def _record(prompt: np.ndarray, tokens: np.ndarray, num_layers: int, num_experts
         flips = rng.random(size=routing[:-1].shape) < flip_fraction
         shift = rng.integers(1, num_experts + 1, size=flips.shape)
         routing[:-1] = np.where(flips, (routing[:-1].astype(np.int64) + shift) % (num_experts + 1), routing[:-1])
-    routing[-1] = REPLAY_SENTINEL
+    routing[-1] = NO_ROUTE
     return logprobs, routing
 
 

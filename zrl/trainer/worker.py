@@ -1,15 +1,17 @@
-"""TrainerWorker: one FSDP2 rank of the trainer pool, as a plain class (a Ray actor hosts it; style rule 1).
+"""TrainerWorker: one FSDP2 rank of the trainer pool, as a plain class (a Ray actor hosts it).
 
-One `train_step(batch)`:
-  1. every rank computes the same packing plan from the same TrainBatch and builds its own
-     microbatches (token budget per rank; equal microbatch counts on all ranks; a rank with nothing
-     left runs a 1-token no-loss microbatch so the FSDP2 collectives still match);
+A plain class so it runs in-process in tests (docs/design.md, style rule 1).
+
+One `train_step(share)`:
+  1. the rank packs the rollouts of its own `RankShare` (the buffer split the released batch by the
+     token-budget packing plan: equal microbatch counts on all ranks; a rank with nothing left runs a
+     1-token no-loss microbatch so the FSDP2 collectives still match);
   2. per microbatch: forward with router replay -> trust-region loss over GLOBAL counts -> backward
      (gradients accumulate; FSDP2 reduce-scatters with SUM, see distributed.py);
   3. AdamW-only clipping, Muon + AdamW step, LR schedule, optional router-bias balancing on the
      all-reduced global expert counts;
   4. two all-reduces turn the per-rank statistics into the global batch's metrics.
-`version` = optimizer steps applied; a TrainBatch must say it was pulled at this version.
+`version` = optimizer steps applied; a share must say its batch was pulled at this version.
 
 Everything collective (steps, checkpoints, exports) must be called on every rank in the same order.
 """
@@ -39,7 +41,8 @@ from zrl.trainer.distributed import Rendezvous, build_mesh, device_of_backend, i
 from zrl.trainer.export import DEFAULT_BUCKET_BYTES, WeightBucket, export_hf_checkpoint, iter_weight_buckets
 from zrl.trainer.loss import StepStats, rl_microbatch_loss, sft_microbatch_loss
 from zrl.trainer.settings import TrainerSettings
-from zrl.types import TrainBatch
+from zrl.trainer.packing import split_batch
+from zrl.types import RankShare, TrainBatch
 
 logger = logging.getLogger(__name__)
 
@@ -106,32 +109,37 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ steps
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One RL optimizer step on the global batch (every rank passes the same TrainBatch)."""
-        if batch.trainer_step != self.version:
-            raise ValueError(f"batch was pulled at trainer step {batch.trainer_step}, the policy is at {self.version}")
+    def train_step(self, share: RankShare) -> dict[str, float]:
+        """One RL optimizer step; every rank passes its own share of the same released batch."""
+        if share.trainer_step != self.version:
+            raise ValueError(f"batch was pulled at trainer step {share.trainer_step}, the policy is at {self.version}")
+        if share.rank != self.rank:
+            raise ValueError(f"rank {self.rank} was given the share of rank {share.rank}")
         s = self.settings
-        rollouts, advantages = batch.rollouts(), batch.advantages()
-        lengths = [input_length(len(r.prompt_ids), len(r.token_ids)) for r in rollouts]
         num_layers = self.model.config.num_hidden_layers
         objective = s.objective()
 
         def build(indices):
-            return pack_rollouts(rollouts, advantages, indices, num_layers=num_layers, replay=s.replay,
+            return pack_rollouts(share.rollouts, share.advantages, indices, num_layers=num_layers, replay=s.replay,
                                  device=self.device)
 
         def loss_fn(mb, stats):
-            return rl_microbatch_loss(self.model, mb, objective, global_num_seqs=batch.num_sequences,
-                                      global_num_tokens=batch.num_response_tokens, trainer_step=self.version,
+            return rl_microbatch_loss(self.model, mb, objective, global_num_seqs=share.num_sequences,
+                                      global_num_tokens=share.num_response_tokens, trainer_step=self.version,
                                       stats=stats, with_entropy=s.with_entropy, chunk_tokens=s.logprob_chunk_tokens)
 
-        metrics = self._step("rl", lengths, build, loss_fn)
-        metrics.update({"batch/num_sequences": float(batch.num_sequences),
-                        "batch/num_response_tokens": float(batch.num_response_tokens),
-                        "batch/max_staleness": float(batch.max_staleness),
-                        "batch/mean_staleness": float(np.mean(batch.staleness)),
-                        "batch/advantage_abs_mean": float(np.mean(np.abs(advantages)))})
+        metrics = self._step("rl", [list(mb) for mb in share.microbatches], share.packing_stats, build, loss_fn)
+        metrics.update({"batch/num_sequences": float(share.num_sequences),
+                        "batch/num_response_tokens": float(share.num_response_tokens),
+                        "batch/max_staleness": float(share.max_staleness),
+                        "batch/mean_staleness": share.mean_staleness,
+                        "batch/advantage_abs_mean": share.advantage_abs_mean})
         return metrics
+
+    def share_of(self, batch: TrainBatch) -> RankShare:
+        """This rank's share of a whole batch, for callers that hold one (tests, benchmarks); the
+        pipeline's buffer sends every rank its share instead."""
+        return split_batch(batch, self.world_size, self.settings.token_budget)[self.rank]
 
     def sft_step(self, examples: Sequence[SFTExample]) -> dict[str, float]:
         """One supervised step: token-mean NLL of the response tokens over all ranks' examples."""
@@ -148,22 +156,24 @@ class TrainerWorker:
                                        with_entropy=self.settings.with_entropy,
                                        chunk_tokens=self.settings.logprob_chunk_tokens)
 
-        metrics = self._step("sft", lengths, build, loss_fn)
+        part = plan_rank(lengths, self.rank, self.world_size, self.settings.token_budget)
+        metrics = self._step("sft", part.microbatches, part.plan.stats(), build, loss_fn)
         metrics.update({"batch/num_sequences": float(len(examples)), "batch/num_response_tokens": float(num_tokens)})
         return metrics
 
-    def _step(self, kind: str, lengths: list[int], build, loss_fn) -> dict[str, float]:
+    def _step(self, kind: str, microbatches: list[list[int]], packing_stats, build, loss_fn) -> dict[str, float]:
+        """Forward/backward over this rank's `microbatches` (indices for `build`; [] = a no-loss
+        microbatch), then the optimizer step; `packing_stats` describe the whole batch's plan."""
         s = self.settings
         start = time.perf_counter()
         self._reset_peak_memory()
-        share = plan_rank(lengths, self.rank, self.world_size, s.token_budget)
         config = self.model.config
         stats = StepStats(kind, num_layers=config.num_hidden_layers, num_classes=config.num_router_classes,
                           device=self.device, with_entropy=s.with_entropy, replay=kind == "rl" and s.replay)
         offload = OffloadSavedTensors() if s.activation_offload and self.device.type != "cpu" else None
         forward_s = backward_s = 0.0
         self.model.train()
-        for indices in share.microbatches:
+        for indices in microbatches:
             mb = build(indices)
             t0 = self._now()
             with offload if offload is not None else nullcontext():
@@ -192,7 +202,7 @@ class TrainerWorker:
         metrics = stats.metrics()
         step_s, forward_s, backward_s, optimizer_s, peak = stats.maxes["perf"].tolist()
         tokens = metrics["batch/input_tokens"]
-        metrics.update({f"packing/{k.split('/', 1)[1]}": v for k, v in share.plan.stats().items()})
+        metrics.update(packing_stats)
         metrics.update({
             "grad/norm_muon": norms.muon, "grad/norm_adamw": norms.adamw, "grad/norm_total": norms.total,
             "grad/adamw_clipped": float(norms.adamw_clipped),
@@ -202,7 +212,7 @@ class TrainerWorker:
             "perf/step_s": step_s, "perf/forward_s": forward_s, "perf/backward_s": backward_s,
             "perf/optimizer_s": optimizer_s, "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
             "perf/tokens_per_s_per_rank": tokens / step_s / self.world_size if step_s > 0 else 0.0,
-            "perf/microbatches": float(len(share.microbatches)),
+            "perf/microbatches": float(len(microbatches)),
             "perf/peak_memory_gib": peak / 2**30,
         })
         if offload is not None:

@@ -65,3 +65,20 @@ def test_rollout_weights_equal_the_trainers_after_sync(async_run):
     assert onpolicy, "no step trained on tokens of its own version"
     for r in onpolicy:
         assert r["mismatch/onpolicy_max_abs_prob_diff"] < 1e-4
+
+
+def test_no_rollout_array_crosses_the_driver(async_run):
+    _, rows, _ = async_run
+    # The driver counts the rollout-array bytes of everything it fetches; the workers count what they
+    # published. Before the object-reference data plane the driver fetched every group it verified and
+    # every batch it trained (at least rollout/array_bytes) and sent both on again.
+    assert rows[-1]["rollout/array_bytes"] > 0
+    assert all(r["driver/rollout_array_bytes"] == 0 for r in rows)
+
+
+def test_weights_sync_over_the_collective_group(async_run):
+    _, rows, log = async_run
+    assert "weight sync: gloo group" in log
+    assert all(r["sync/collective"] == 1 for r in rows)
+    assert rows[-1]["sync/count"] >= 1 + STEPS // 2 - 1  # the stage's first sync and every 2nd step but the last
+    assert all(r["sync/bytes"] > 0 for r in rows)

@@ -25,8 +25,8 @@ def make_prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
 
 @dataclasses.dataclass(frozen=True)
 class ReferencePass:
-    logits: torch.Tensor  # [P + T, V] fp32, logits predicting the token after each position
-    native: np.ndarray  # [P + T, L] uint8, the reference routers' choices
+    logits: torch.Tensor  # [Tp + Tr, V] fp32, logits predicting the token after each position
+    native: np.ndarray  # [Tp + Tr, L] uint8, the reference routers' choices
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ import torch
 from serving_testlib import generated_logits, k3_kl, make_prompts, reference_pass, sampled_logprobs
 
 from serving.engine import SamplingConfig
-from serving.routing_capture import ROUTING_UNSET
+from zrl.types import NO_ROUTE
 
 log = logging.getLogger(__name__)  # measured values; visible with pytest --log-cli-level=INFO
 pytestmark = pytest.mark.integration
@@ -40,7 +40,7 @@ def test_fp32_logprobs_and_routing_equal_the_reference(fp32_engine, fp32_referen
         worst = max(worst, float(np.abs(expected - sample.logprobs).max()))
         computed = sample.routing[:-1]  # every prompt token and every generated token but the last
         np.testing.assert_array_equal(computed, ref.native[:-1])
-        assert (sample.routing[-1] == ROUTING_UNSET).all()  # the last sampled token is never run
+        assert (sample.routing[-1] == NO_ROUTE).all()  # the last sampled token is never run
         for layer in range(fp32_engine.num_layers):
             used[layer] |= set(computed[:, layer].tolist())
     log.info(f"fp32 engine vs zrl.moepp: max |logprob diff| {worst:.2e}, {recomputed} recomputed rows")
@@ -58,7 +58,7 @@ def test_bf16_mismatch_is_small(bf16_engine, bf16_reference):
         ref = reference_pass(bf16_reference, sample)
         behaviour.append(sample.logprobs)
         target.append(sampled_logprobs(generated_logits(ref, sample), sample.token_ids))
-        differs = (sample.routing[:-1] != ref.native[:-1]).any(axis=1)  # [P + T - 1]
+        differs = (sample.routing[:-1] != ref.native[:-1]).any(axis=1)  # [Tp + Tr - 1]
         first_difference = int(np.argmax(differs)) if differs.any() else len(differs)
         # Generated token t is computed from positions <= P - 1 + t.
         same_routing.append(np.arange(len(sample.token_ids)) + len(sample.prompt_ids) - 1 < first_difference)
@@ -74,7 +74,7 @@ def test_bf16_mismatch_is_small(bf16_engine, bf16_reference):
     # routing 572/574 positions. Most of the KL comes from bf16 near-ties that flip an expert (the
     # token's logprob then moves by up to ~0.2): over the 301 tokens whose context was routed
     # identically it is 5.6e-6 (r 0.999999). For scale, zrl.moepp's own bf16 and fp32 forwards differ
-    # by KL 3.6e-4 here. The seed's 1.3e-4 / 0.9996 are for the trained 8B model. Bounds: ~15-20x
+    # by KL 3.6e-4 here. The ZAYA1 report's 1.3e-4 / 0.9996 are for its trained 8B model. Bounds: ~15-20x
     # the measured values (different CPU kernels round differently; a flip costs ~1e-4 of KL).
     assert kl < 5e-3
     assert pearson > 0.999

@@ -9,8 +9,9 @@ from torch import nn
 
 from serving.cca_state import request_layout, stateful_causal_convs, stateful_value_shift
 from serving.engine import SampleOutput, SamplingConfig, VersionSegment
-from serving.routing_capture import ROUTING_UNSET, RoutingRecorder
+from serving.routing_capture import RoutingRecorder
 from serving.worker_ext import _make_cpu_generators_rewindable
+from zrl.types import NO_ROUTE
 
 pytestmark = pytest.mark.integration
 
@@ -123,7 +124,7 @@ def test_recorder_places_rows_by_position_and_counts_recomputation():
     assert recorder.positions_computed("a") == 3  # recomputation does not lower it
     assert recorder.pop("a").tolist() == [[1, 1], [1, 1], [4, 0]]
     table_b = recorder.pop("b")
-    assert table_b.shape == (6, 2) and (table_b[:5] == ROUTING_UNSET).all() and table_b[5].tolist() == [1, 1]
+    assert table_b.shape == (6, 2) and (table_b[:5] == NO_ROUTE).all() and table_b[5].tolist() == [1, 1]
     assert recorder.pop("never-seen").shape == (0, 2)
     assert len(recorder) == 0
 
@@ -135,9 +136,9 @@ def test_recorder_pages_grow_and_are_reused_clean():
     recorder.record(ids, np.arange(21), positions, (np.arange(20, dtype=np.uint8) + 1)[:, None])
     for i, req in enumerate(ids):
         table = recorder.pop(req)
-        assert table.shape == (2 * i + 1, 1) and table[2 * i, 0] == i + 1 and (table[: 2 * i] == ROUTING_UNSET).all()
+        assert table.shape == (2 * i + 1, 1) and table[2 * i, 0] == i + 1 and (table[: 2 * i] == NO_ROUTE).all()
     recorder.record(["new"], np.array([0, 1]), np.array([3]), np.array([[9]], np.uint8))
-    assert recorder.pop("new")[:, 0].tolist() == [ROUTING_UNSET] * 3 + [9]  # freed pages came back clean
+    assert recorder.pop("new")[:, 0].tolist() == [NO_ROUTE] * 3 + [9]  # freed pages came back clean
     with pytest.raises(ValueError, match="beyond"):
         recorder.record(["x"], np.array([0, 1]), np.array([40]), np.zeros((1, 1), np.uint8))
 

@@ -100,7 +100,7 @@ def test_input_errors():
 
 
 def _reference(name, seqs, t_norm):
-    # seqs: list of (losses, mask) per rollout; the formulas of ALGORITHMS.md §4 written directly
+    # seqs: list of (losses, mask) per rollout; the formulas of docs/algorithms.md §4 written directly
     n_seq = len(seqs)
     n_tok = sum(sum(m) for _, m in seqs)
     if name == "token_mean":

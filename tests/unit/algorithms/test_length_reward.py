@@ -1,4 +1,4 @@
-"""Difficulty-scaled length reward (seeds/003 eqs. 8-10): hand-computed values and gate edge cases."""
+"""Difficulty-scaled length reward (ZAYA1-8B report eqs. 8-10): hand-computed values and gate edge cases."""
 
 import json
 

@@ -44,14 +44,14 @@ def make_group(group_id, rewards, *, version=0, lengths=None, rollouts=None, err
 
 def make_buffer(*, batch=2, group_size=4, sync=2, staleness=2, ready=2, capacity=4, advantage="maxrl",
                 dynamic_sampling=True, length_reward=None, lz77=True, zero_reward=True,
-                max_response_tokens=100, stage_steps=10, first_step=0, frontier=None) -> RolloutBuffer:
+                max_response_tokens=100, stage_steps=10, first_version=0, frontier=None) -> RolloutBuffer:
     asynchrony = Asynchrony(sync_every_steps=sync, max_staleness_steps=staleness, min_ready_batches=ready,
                             buffer_capacity_batches=capacity)
     algorithm = Algorithm(advantage=advantage, dynamic_sampling=dynamic_sampling,
                           length_reward=length_reward or LengthReward(enabled=False),
                           canaries=Canaries(lz77=LZ77Canary(enabled=lz77, zero_reward=zero_reward)))
     sampling = Sampling(prompts_per_batch=batch, group_size=group_size, max_response_tokens=max_response_tokens)
-    return RolloutBuffer(asynchrony, algorithm, sampling, stage_steps=stage_steps, first_step=first_step,
+    return RolloutBuffer(asynchrony, algorithm, sampling, stage_steps=stage_steps, first_version=first_version,
                          frontier=frontier)
 
 

@@ -130,16 +130,16 @@ def test_workers_following_the_credit(cfg, seed, max_delay, train_ticks, greedy,
     not wait for it): the buffer evicts it, which is the hard bound doing its job."""
     rng = random.Random(seed)
     buf = make_buffer(**cfg)
-    steps_wanted, step, worker_version, busy_until, training = 8, 0, 0, 0, False
+    steps_wanted, step, generating_version, busy_until, training = 8, 0, 0, 0, False
     in_flight: list[tuple[int, int, int]] = []  # (finish tick, group number, version)
     next_id, last_finish = 0, 0
     for tick in range(400):
-        credit = buf.admission_credit(len(in_flight), worker_version)
+        credit = buf.admission_credit(len(in_flight), generating_version)
         for _ in range(credit if greedy else rng.randint(0, credit)):
             finish = tick + rng.randint(0, max_delay)
             if in_order:
                 finish = last_finish = max(finish, last_finish)
-            in_flight.append((finish, next_id, worker_version))
+            in_flight.append((finish, next_id, generating_version))
             next_id += 1
         done = sorted(f for f in in_flight if f[0] <= tick)
         if not in_order:
@@ -153,7 +153,7 @@ def test_workers_following_the_credit(cfg, seed, max_delay, train_ticks, greedy,
             step += 1
             buf.set_trainer_step(step)  # the optimizer step is done: the trainer holds version `step`
             if step % cfg["sync"] == 0:
-                worker_version = step
+                generating_version = step
         if not training and buf.ready():
             batch = buf.take_batch(step)
             assert all(rollout_staleness_from_versions(step, r) <= cfg["staleness"] for r in batch.rollouts())

@@ -116,7 +116,7 @@ def test_all_correct_group_kept_for_its_length_signal():
 
 def test_length_coefficient_ramps_with_the_stage_local_trainer_step():
     spec = LengthReward(c_start=0.0, c_end=1.0, tolerance_tokens=None)
-    buf = make_buffer(length_reward=spec, stage_steps=11, first_step=100, frontier=frontier(0.5),
+    buf = make_buffer(length_reward=spec, stage_steps=11, first_version=100, frontier=frontier(0.5),
                       staleness=20, sync=1)
     assert buf.length_coef() == 0.0
     buf.set_trainer_step(105)  # local step 5 of 0..10 -> c = 0.5
@@ -275,13 +275,13 @@ def test_synchronous_mode_with_the_same_code():
     buf = make_buffer(batch=2, sync=1, staleness=0, ready=1, capacity=1)
     for step in range(3):
         buf.set_trainer_step(step)
-        assert buf.admission_credit(0, worker_version=step) == 2
+        assert buf.admission_credit(0, generating_version=step) == 2
         buf.admit(make_group(f"s{step}a", [1, 0, 0, 0], version=step))
-        assert buf.admission_credit(1, worker_version=step) == 0   # one buffered + one in flight
+        assert buf.admission_credit(1, generating_version=step) == 0   # one buffered + one in flight
         buf.admit(make_group(f"s{step}b", [0, 1, 0, 0], version=step))
         batch = buf.take_batch(step)
         assert batch.staleness.tolist() == [0] * 8
-        assert buf.admission_credit(0, worker_version=step) == 0   # until the weights move on
+        assert buf.admission_credit(0, generating_version=step) == 0   # until the weights move on
     buf.admit(make_group("late", [1, 0, 0, 0], version=2))          # an extra group from version 2
     assert buf.set_trainer_step(3) == 1                            # stale at once under the bound 0
     assert_conservation(buf)
@@ -385,7 +385,7 @@ def test_state_dict_round_trip_drops_buffered_groups_and_keeps_conservation():
 def test_from_stage_uses_the_recipe_parts():
     stage = RLStage(name="s", steps=7, environments=[{"name": "arith"}], algorithm=Algorithm(),
                     sampling={"prompts_per_batch": 3, "group_size": 4})
-    buf = RolloutBuffer.from_stage(stage, first_step=5)
+    buf = RolloutBuffer.from_stage(stage, first_version=5)
     assert (buf.batch_groups, buf.capacity_groups, buf.ready_groups) == (3, 12, 6)
     assert buf.trainer_step == 5 and buf.stage_steps == 7
 

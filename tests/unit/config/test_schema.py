@@ -192,3 +192,47 @@ def test_kernel_backend_reaches_the_trainer_settings():
     apply_override(data, "model.kernels=cuda")
     [line] = errors_of(data)
     assert line.startswith("model.kernels: ") and "'auto', 'triton' or 'reference'" in line
+
+
+def test_trainer_memory_settings_reach_the_trainer_settings():
+    from zrl.pipeline.controller import trainer_settings
+
+    data = minimal()
+    defaults = trainer_settings(parse_recipe(data), parse_recipe(data).stages[0])
+    assert (defaults.activation_checkpointing, defaults.activation_offload, defaults.hsdp_replicas) == (True, False, 1)
+    for assignment in ("resources.trainer_workers=8", "resources.hsdp_replicas=2", "resources.activation_offload=true",
+                       "resources.activation_checkpointing=false"):
+        apply_override(data, assignment)
+    recipe = parse_recipe(data)
+    settings = trainer_settings(recipe, recipe.stages[0])
+    assert (settings.activation_checkpointing, settings.activation_offload, settings.hsdp_replicas) == (False, True, 2)
+
+
+@pytest.mark.parametrize("workers, replicas", [(2, 3), (6, 4), (16, 0)])
+def test_hsdp_replicas_must_divide_the_trainer_ranks(workers, replicas):
+    [line] = errors_of(minimal() | {"resources": {"trainer_workers": workers, "hsdp_replicas": replicas}})
+    if replicas:
+        assert line == (f"resources: hsdp_replicas={replicas} must divide trainer_workers={workers}: every replica "
+                        "group shards the model over the same number of ranks")
+    else:
+        assert line.startswith("resources.hsdp_replicas: ") and "greater than or equal to 1" in line
+
+
+def test_production_cascade_uses_the_reports_trainer_memory_setup():
+    r = load_recipe(ROOT / "recipes" / "zaya1-cascade.yaml").resources
+    assert r.activation_offload and r.activation_checkpointing
+    assert r.trainer_workers // r.hsdp_replicas == 4  # FSDP shard size 4
+
+
+def test_an_environment_listed_twice_needs_distinct_keys():
+    twice = [{"name": "strings", "options": {"tasks": "copy"}}, {"name": "strings", "options": {"tasks": "reverse"}}]
+    assert errors_of(minimal(environments=twice)) == [
+        "stages[0]: environments ['strings'] are listed more than once; give each entry a distinct `key` "
+        "(its prompts, verifier and reward/<key> metric are found by it)"]
+    keyed = [twice[0] | {"key": "copy"}, twice[1] | {"key": "reverse"}]
+    stage = parse_recipe(minimal(environments=keyed)).stages[0]
+    assert [(e.name, e.key) for e in stage.environments] == [("strings", "copy"), ("strings", "reverse")]
+    # One entry may keep the name as its key; a key must be usable in a metric name.
+    assert parse_recipe(minimal(environments=[twice[0], keyed[1]])).stages[0].environments[0].key is None
+    [line] = errors_of(minimal(environments=[twice[0] | {"key": "strings/copy"}]))
+    assert line.startswith("stages[0].environments[0].key: ") and "pattern" in line

@@ -35,7 +35,7 @@ def test_save_then_transformers_load(tmp_path, tied):
     with safe_open(tmp_path / SINGLE_FILE, framework="pt") as f:
         assert ("lm_head.weight" in f.keys()) == (not tied)  # a tied head is not duplicated
     loaded = ZayaForCausalLM.from_pretrained(tmp_path).eval()
-    # The trap (MODEL.md): from_pretrained resets the skip-class balancing bias to -1.0.
+    # The trap (transformers 5.19): from_pretrained resets the skip-class balancing bias to -1.0.
     for ref_layer, layer in zip(loaded.model.layers, ours.layers):
         assert ref_layer.mlp.gate.balancing_biases[-1] == -1.0
         assert layer.mlp.gate.balancing_biases[-1] == SKIP_BIAS

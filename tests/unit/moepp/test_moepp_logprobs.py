@@ -83,8 +83,12 @@ def test_bf16_inputs_computed_in_fp32():
 
 
 def test_model_entry_point_is_the_kernel_dispatcher():
-    # one implementation: the model's name for the op is the dispatcher of zrl.moepp.kernels.lm_logprobs
-    assert chunked_token_logprobs is token_logprobs
+    # one implementation: without a sampling distribution the model's op is the dispatcher of
+    # zrl.moepp.kernels.lm_logprobs, unchanged (the sampling distributions: test_moepp_sampling_logprobs.py)
+    h, w, y = inputs()
+    ours, theirs = chunked_token_logprobs(h, w, y, with_entropy=True), token_logprobs(h, w, y, with_entropy=True)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b) and type(a.grad_fn) is type(b.grad_fn)
 
 
 def test_default_chunk_keeps_logits_block_small():

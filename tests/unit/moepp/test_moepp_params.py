@@ -44,7 +44,7 @@ def test_group_membership():
 
 
 def hand_count_8b() -> dict[str, int]:
-    """ZAYA1-8B parameters from the architecture alone (MODEL.md numbers)."""
+    """ZAYA1-8B parameters from the architecture alone (ZAYA1-8B report Table I numbers)."""
     d, layers, hq, hk, hd, e, f, r, v = 2048, 40, 8, 2, 128, 16, 2048, 256, 262_272
     conv_c = (hq + hk) * hd
     attention = (d * hq * hd + d * hk * hd + 2 * d * hk * hd // 2 + hq * hd * d  # q, k, v halves, o
@@ -68,7 +68,7 @@ def test_8b_parameter_counts_on_meta():
     with torch.device("meta"):
         reference = ZayaForCausalLM(ZayaConfig())
     assert counts.total == sum(p.numel() for p in reference.parameters())
-    # seeds/003 Table I and seeds/000 count without the (tied) embedding: 8.3-8.4B total, 0.76B active
+    # The ZAYA1-8B report (Table I) and the AMD platform paper count without the (tied) embedding: 8.3-8.4B total, 0.76B active
     # ("0.7B active, 8B total" rounded). Measured: 8,303,355,728 total and 753,608,528 active.
     assert counts.non_embedding == 8_303_355_728 and counts.active_non_embedding == 753_608_528
     assert 8.25e9 < counts.non_embedding < 8.45e9

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moepp_testlib import ours_from_reference, random_reference
-from zrl.moepp.router import REPLAY_SENTINEL
+from zrl.types import NO_ROUTE
 
 E = 4  # experts of the tiny config; class E is the skip expert
 T = 24
@@ -30,11 +30,11 @@ def test_replay_forces_choices_and_counts_disagreement():
     native = m(ids, cu_seqlens=CU).routing.native_ids.long()  # [T, L]
     replay = native.clone()
     replay[::2] = (native[::2] + 1) % (E + 1)  # every even token recorded differently (skip included)
-    replay[5, 1] = REPLAY_SENTINEL
-    replay[7, :] = REPLAY_SENTINEL
+    replay[5, 1] = NO_ROUTE
+    replay[7, :] = NO_ROUTE
     out = m(ids, cu_seqlens=CU, routing_replay=replay.to(torch.uint8))
     routing = out.routing
-    recorded = replay != REPLAY_SENTINEL
+    recorded = replay != NO_ROUTE
     assert torch.equal(routing.chosen_ids.long()[recorded], replay[recorded])
     # without a record the router's own choice is used
     assert torch.equal(routing.chosen_ids.long()[~recorded], routing.native_ids.long()[~recorded])
@@ -155,7 +155,7 @@ def test_checkpointed_equals_plain_with_routing_pinned(with_replay):
         with torch.no_grad():
             replay = plain(ids, cu_seqlens=CU).routing.native_ids.clone()
         replay[::3, 1] = (replay[::3, 1] + 2) % (E + 1)
-        replay[2, 2] = REPLAY_SENTINEL
+        replay[2, 2] = NO_ROUTE
     with torch.no_grad():  # the perturbation really changes native routing
         shifted = model()
         push_biases(shifted)

@@ -1,4 +1,4 @@
-"""Routing statistics, the balancing error (seeds/003 eq. 5) and the AdamW bias-balancing controller."""
+"""Routing statistics, the balancing error (ZAYA1-8B report eq. 5) and the AdamW bias-balancing controller."""
 
 import math
 

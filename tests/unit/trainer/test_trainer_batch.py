@@ -26,7 +26,7 @@ def test_input_length():
 
 
 def test_pack_two_rollouts_by_hand():
-    routing_a = np.arange(10, dtype=np.uint8).reshape(5, L)  # [P + R, L] = [5, 2]
+    routing_a = np.arange(10, dtype=np.uint8).reshape(5, L)  # [Tp + Tr, L] = [5, 2]
     a = rollout([5, 6, 7], [8, 9], [-0.5, -1.5], routing=routing_a, segments=((0, 4), (1, 5)))
     b = rollout([11], [12, 13, 14], [-0.1, -0.2, -0.3])  # no routing record
     mb = pack_rollouts([b, a], np.array([2.0, -1.0]), [1, 0], num_layers=L, replay=True, device=CPU)

@@ -18,6 +18,7 @@ from trainer_testlib import assert_grads_close, reference
 pytestmark = pytest.mark.filterwarnings("ignore:.*returned a view tensor")
 
 
+
 def settings(**overrides):
     base = dict(param_dtype="float32", token_budget=40, max_response_tokens=40,
                 optimizer=Optimizer(muon=MuonSpec(lr=1e-2), grad_clip_norm=0.5),
@@ -58,7 +59,7 @@ def test_train_step_equals_reference_step(tiny_checkpoint, single_rank):
     worker = TrainerWorker(single_rank, tiny_checkpoint, s)
     recorder = GradRecorder(worker)
     before = full_state(worker)
-    metrics = worker.train_step(batch)
+    metrics = worker.train_step(worker.share_of(batch))
     after = full_state(worker)
 
     # Reference: every rollout alone, the objective by hand, then the same optimizer on a plain model.
@@ -94,14 +95,14 @@ def test_batch_version_must_match(tiny_checkpoint, single_rank):
     worker = TrainerWorker(single_rank, tiny_checkpoint, settings())
     ref = load_hf_checkpoint(tiny_checkpoint)
     with pytest.raises(ValueError, match="pulled at trainer step 3, the policy is at 0"):
-        worker.train_step(make_batch(ref, trainer_step=3))
+        worker.train_step(worker.share_of(make_batch(ref, trainer_step=3)))
 
 
 def test_batch_of_empty_responses_steps_without_moving(tiny_checkpoint, single_rank):
     worker = TrainerWorker(single_rank, tiny_checkpoint, settings())
     ref = load_hf_checkpoint(tiny_checkpoint)
     before = full_state(worker)
-    metrics = worker.train_step(make_batch(ref, empty_responses=12))
+    metrics = worker.train_step(worker.share_of(make_batch(ref, empty_responses=12)))
     assert metrics["perf/microbatches"] == 0 and metrics["batch/num_response_tokens"] == 0
     assert metrics["loss/policy"] == 0.0 and worker.version == 1
     after = full_state(worker)
@@ -111,7 +112,7 @@ def test_batch_of_empty_responses_steps_without_moving(tiny_checkpoint, single_r
 def test_start_stage_keeps_or_drops_adamw_moments(tiny_checkpoint, single_rank):
     worker = TrainerWorker(single_rank, tiny_checkpoint, settings())
     ref = load_hf_checkpoint(tiny_checkpoint)
-    worker.train_step(make_batch(ref))
+    worker.train_step(worker.share_of(make_batch(ref)))
     moments = {k: v["exp_avg"].full_tensor().clone() for k, v in worker.optimizer.state_dict()["state"].items()}
     assert moments  # AdamW parameters have state after one step (Muon ones have none at momentum 0)
     worker.start_stage(settings(optimizer=Optimizer(muon=MuonSpec(lr=3e-3))), keep_optimizer_state=True)
@@ -197,10 +198,11 @@ def test_activation_offload_keeps_gradients_and_skips_parameters(tiny_checkpoint
 def test_bf16_compute_keeps_fp32_masters(tiny_checkpoint, single_rank):
     ref = load_hf_checkpoint(tiny_checkpoint)
     batch = make_batch(ref)
-    fp32 = TrainerWorker(single_rank, tiny_checkpoint, settings()).train_step(batch)
+    fp32_worker = TrainerWorker(single_rank, tiny_checkpoint, settings())
+    fp32 = fp32_worker.train_step(fp32_worker.share_of(batch))
     worker = TrainerWorker(single_rank, tiny_checkpoint, settings(param_dtype="bfloat16"))
     before = full_state(worker)
-    bf16 = worker.train_step(batch)
+    bf16 = worker.train_step(worker.share_of(batch))
     assert all(p.dtype == torch.float32 for p in worker.model.parameters())  # sharded masters stay fp32
     after = full_state(worker)
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-3

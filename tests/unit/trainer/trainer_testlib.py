@@ -22,7 +22,7 @@ def assert_grads_close(grads: dict, expected: dict) -> None:
 
 
 def reference_token_loss(lp, lq, adv, name, params):
-    """Per-token loss of one rollout's response tokens [R], formulas of ALGORITHMS.md §3."""
+    """Per-token loss of one rollout's response tokens [Tr], formulas of docs/algorithms.md §3."""
     ratio = torch.exp(lp - lq)
     if name == "ppo_clip":
         clipped = ratio.clamp(1 - params["clip_low"], 1 + params["clip_high"])

@@ -36,7 +36,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# ZAYA1-8B shapes (zrl/moepp/README.md letters): D hidden, E experts (+1 skip class), F expert FFN,
+# ZAYA1-8B shapes (docs/shapes.md letters): D hidden, E experts (+1 skip class), F expert FFN,
 # R router latent, Hq/Hk/d heads, k0/k1 CCA kernel sizes, rotary_dim = d / 2, V vocabulary.
 ZAYA1 = dict(D=2048, E=16, F=2048, R=256, HQ=8, HK=2, HEAD_DIM=128, K0=2, K1=2, ROTARY=64, V=262_272)
 # Shared memory one block of an sm_90 GPU may use (227 KiB, H100 and H200): a kernel asking more

@@ -12,7 +12,7 @@ import torch
 from zrl.moepp.config import MoEPPConfig
 from zrl.moepp.kernels import use_backend
 from zrl.moepp.model import MoEPPForCausalLM
-from zrl.moepp.router import REPLAY_SENTINEL
+from zrl.types import NO_ROUTE
 
 
 def tiny_model(device: torch.device) -> MoEPPForCausalLM:
@@ -45,7 +45,7 @@ def test_triton_backend_matches_reference(device):
     targets = torch.randint(0, 80, (30,), generator=gen).to(device)
     targets[[6, 29]] = -100  # no next token at the end of a document
     cu = torch.tensor([0, 7, 8, 30], device=device)
-    replay = torch.full((30, 2), REPLAY_SENTINEL, dtype=torch.uint8)
+    replay = torch.full((30, 2), NO_ROUTE, dtype=torch.uint8)
     replay[10:20, 1] = torch.randint(0, 4, (10,), generator=gen, dtype=torch.uint8)
     replay = replay.to(device)  # [T, L]: each layer's column is a strided view
     weights = torch.linspace(-1, 1, 30, device=device)

@@ -1,7 +1,7 @@
 """CCA preconditioner in pure PyTorch: the definition of what the Triton kernel computes.
 
 From the q/k projections' outputs to the q/k that enter attention (shapes: T tokens, Hq query heads,
-Hk KV heads, d head dim, C = (Hq + Hk) d, G = Hq / Hk query heads per KV head):
+Hk KV heads, d head dim, C = (Hq + Hk) d, Hq / Hk query heads per KV head):
   mean skip     q_res = (q + repeat_kv(k)) / 2 [T, Hq, d], k_res = mean of q_res over each KV group
   convolutions  [q, k] [T, C] -> causal depthwise Conv1d (kernel k0) -> causal grouped Conv1d
                 (kernel k1, Hq + Hk groups of d channels); the history before a document is zero at

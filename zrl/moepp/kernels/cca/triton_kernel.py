@@ -2,7 +2,7 @@
 and partial RoPE in one pass per (token block, head); backward in three Triton kernels.
 
 Definition: reference.py (shapes: T tokens, Hq/Hk query/KV heads, d head dim, C = (Hq + Hk) d,
-G = Hq / Hk, R = rotary dim, k0/k1 the two kernel sizes, P = k0 + k1 - 2). Head h < Hq reads its
+Hq / Hk query heads per KV head, r = rotary dim, k0/k1 the two kernel sizes, P = k0 + k1 - 2). Head h < Hq reads its
 channels from q, head h >= Hq from k (channel block h of the concatenation [q, k]).
 
 For a token t (o = doc_offset[t]) and a head, with x the head's input channels:

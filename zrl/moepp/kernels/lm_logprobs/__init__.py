@@ -6,6 +6,10 @@ log-sum-exp, so no [T, V] block exists in any dtype) or to the chunked PyTorch r
 (reference.py, the definition: [c, V] fp32 blocks). Both compute the LM head and the log-softmax in
 fp32 (LM_HEAD, LOGPROB of the FP32 op set) and take the same arguments; `chunk_tokens` only sizes the
 reference's blocks (the Triton path never holds more than one [BLOCK_T, BLOCK_V] tile per program).
+
+An optional per-token logit floor restricts each token's softmax to the logits not below it (and its
+target): the primitive under which zrl.moepp.logprobs reproduces a sampler's top-k / top-p / min-p
+distribution. Where the floor comes from is not this op's business.
 """
 
 from __future__ import annotations
@@ -25,24 +29,32 @@ def token_logprobs(
     *,
     chunk_tokens: int | None = None,
     with_entropy: bool = False,
+    logit_floor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(hidden @ weight^T)[targets] and optionally the entropy, both [T] fp32.
 
     hidden [T, D], weight [V, D] (the tied embedding), targets [T] int (< 0 = ignored: logprob 0, no
     gradient through it; targets >= V are not checked, which would need a host sync). The entropy is
     returned for monitoring and is also differentiable.
+    logit_floor [T] (float, no gradient): token t's softmax, logprob and entropy are over the logits
+    z_j with not z_j < logit_floor[t], plus its target, which is always kept; None = the whole vocabulary.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [T, D] and targets [T], got {tuple(hidden.shape)} and "
                          f"{tuple(targets.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight must be [V, D] with D = {hidden.shape[1]}, got {tuple(weight.shape)}")
+    if logit_floor is not None:
+        if logit_floor.shape != targets.shape:
+            raise ValueError(f"logit_floor must be [T] = {tuple(targets.shape)}, got {tuple(logit_floor.shape)}")
+        logit_floor = logit_floor.detach().to(torch.float32)
     targets = targets.to(torch.int64)
     if use_triton(hidden):
         from zrl.moepp.kernels.lm_logprobs.triton_kernel import token_logprobs_triton
 
-        logprob, entropy = token_logprobs_triton(hidden, weight, targets, with_entropy=with_entropy)
+        logprob, entropy = token_logprobs_triton(hidden, weight, targets, with_entropy=with_entropy,
+                                                 floor=logit_floor)
     else:
         logprob, entropy = token_logprobs_reference(hidden, weight, targets, chunk_tokens=chunk_tokens,
-                                                    with_entropy=with_entropy)
+                                                    with_entropy=with_entropy, floor=logit_floor)
     return logprob, (entropy if with_entropy else None)

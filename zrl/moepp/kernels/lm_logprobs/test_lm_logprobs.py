@@ -213,6 +213,75 @@ def test_bf16_inputs_gpu(triton_backend):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
 
 
+def floor_keeping(hidden, weight, count: torch.Tensor) -> torch.Tensor:
+    """[T] floors that keep each token's count[t] largest logits (0: none but the target, V: all),
+    half-way between two logits so that both backends agree on the support."""
+    z = (hidden.double() @ weight.double().t()).sort(dim=-1, descending=True).values  # [T, V]
+    padded = torch.cat([z[:, :1] + 2, z, z[:, -1:] - 2], dim=-1)  # [T, V + 2]: above and below every logit
+    i = count[:, None]
+    return ((padded.gather(1, i) + padded.gather(1, i + 1)) / 2)[:, 0].float()
+
+
+def with_floor(fn, floor):
+    def call(h, w, y, *, with_entropy):
+        if fn is kernel:
+            return token_logprobs(h, w, y, with_entropy=with_entropy, logit_floor=floor)
+        lp, ent = token_logprobs_reference(h, w, y.to(torch.int64), chunk_tokens=7, with_entropy=with_entropy,
+                                           floor=floor)
+        return lp, (ent if with_entropy else None)
+    return call
+
+
+def floor_case(device, t=40, v=100, seed=0):
+    """Inputs with a floor keeping a random number of tokens per row, and rows keeping all (0), only the
+    largest (2) and none but the target (3); targets are often below their floor."""
+    hidden, weight, targets, upstream = make_inputs(t, 48, v, device, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    count = torch.randint(1, v, (t,), generator=gen)
+    count[0], count[2], count[3] = v, 1, 0
+    return hidden, weight, targets, upstream, floor_keeping(hidden.cpu(), weight.cpu(), count).to(device)
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(with_entropy=False, use_ent=False), dict(use_lp=False)],
+                         ids=["logprob+entropy", "logprob-only", "entropy-only"])
+def test_logit_floor_parity(device, triton_backend, mode):
+    hidden, weight, targets, upstream, floor = floor_case(device)
+    got = run(with_floor(kernel, floor), hidden, weight, targets, upstream, **mode)
+    want = run(with_floor(reference, floor), hidden, weight, targets, upstream, **mode)
+    # measured (CPU interpreter, logprob+entropy): logprob 2.4e-6 (values up to 16), entropy 1.1e-6, grad
+    # hidden 4.8e-6, grad weight 1.6e-6: the same as without a floor
+    assert_all_close(got, want, **FP32_TOL)
+
+
+def test_logit_floor_reference_is_the_restricted_log_softmax():
+    """The reference against a dense float64 softmax over {j : z_j >= floor} + the target."""
+    hidden, weight, targets, upstream, floor = floor_case(torch.device("cpu"))
+    lp, ent, grad_h, grad_w = run(with_floor(reference, floor), hidden, weight, targets, upstream)
+    h, w = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    z = h @ w.t()  # [T, V]
+    keep = z.detach() >= floor.double()[:, None]
+    rows = torch.arange(len(targets))[targets >= 0]
+    keep[rows, targets[rows]] = True
+    logp = torch.log_softmax(z.masked_fill(~keep, -math.inf), dim=-1)
+    want_lp = logp.gather(1, targets.clamp_min(0)[:, None])[:, 0].masked_fill(targets < 0, 0.0)
+    want_ent = -(logp.exp() * logp.masked_fill(~keep, 0.0)).sum(-1)
+    ((want_lp * upstream[0].double()).sum() + (want_ent * upstream[1].double()).sum()).backward()
+    assert keep[0].all() and keep[2].sum() <= 2 and lp[3] == 0  # row 3: only its target, probability 1
+    outside = z.detach().gather(1, targets.clamp_min(0)[:, None])[:, 0] < floor.double()
+    assert outside[targets >= 0].sum() >= 5  # the forced target is exercised
+    for name, a, b in (("logprob", lp, want_lp), ("entropy", ent, want_ent), ("grad hidden", grad_h, h.grad),
+                       ("grad weight", grad_w, w.grad)):
+        torch.testing.assert_close(a.double(), b, **FP32_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_logit_floor_of_minus_infinity_is_no_floor(device, triton_backend):
+    hidden, weight, targets, upstream = make_inputs(20, 16, 64, device)
+    floor = torch.full((20,), -math.inf, device=device)
+    for fn in (kernel, reference):
+        assert_all_close(run(with_floor(fn, floor), hidden, weight, targets, upstream),
+                         run(fn, hidden, weight, targets, upstream), rtol=0, atol=0)
+
+
 def test_dispatch_picks_the_backend(device):
     hidden, weight, targets, _ = make_inputs(9, 16, 64, device)
     h = hidden.requires_grad_()
@@ -241,3 +310,5 @@ def test_bad_inputs_raise():
         token_logprobs(hidden, weight, targets[:-1])
     with pytest.raises(ValueError, match="weight must be"):
         token_logprobs(hidden, weight[:, :8], targets)
+    with pytest.raises(ValueError, match="logit_floor must be"):
+        token_logprobs(hidden, weight, targets, logit_floor=torch.zeros(8))

@@ -20,6 +20,10 @@ G = dL/dz = g_lp (onehot - p) - g_ent p (z - E_p[z]) tile by tile; neither z nor
 Every output element has a single writer, so there are no atomics and the result is deterministic,
 at the price of computing the logits twice in the backward (see README.md for the cost).
 
+Logit floor (optional, [T] fp32): every kernel restricts a token's softmax to its support, the logits
+not below its floor plus its target (`_kept`), exactly as the reference does; without one the floor
+pointer is None, a compile-time constant, and the kernels are the unrestricted ones.
+
 Dtypes: when hidden and weight share a 16-bit dtype the dots take them as they are (tensor cores,
 exact products, fp32 accumulation; G is rounded to that dtype for the two backward dots); otherwise
 both are cast to fp32 inside the kernel (the bf16 weight is never copied to fp32 in memory) and the
@@ -80,9 +84,29 @@ def _add_dot_rows(out_rows, mask_out, g, src_ptr, offs_src, mask_src, stride_src
 
 
 @triton.jit
-def _token_grads_in(offs_t, mask_t, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, HAS_ENTROPY: tl.constexpr):
-    """Per-token inputs of `_grad_logits` at offs_t: y, lse, g_lp, E_p[z], g_ent (each [BLOCK_T]);
-    without entropy, mean and g_ent are placeholders that `_grad_logits` never reads."""
+def _load_floor(floor_ptr, offs_t, mask_t, placeholder):
+    """The tokens' logit floors [BLOCK_T]; `placeholder` (never read) when floor_ptr is None."""
+    floor = placeholder
+    if floor_ptr is not None:
+        floor = tl.load(floor_ptr + offs_t, mask=mask_t, other=float("-inf"))
+    return floor
+
+
+@triton.jit
+def _kept(z, offs_v, mask_v, y, floor, floor_ptr):
+    """[BLOCK_T, BLOCK_V] (or [1, BLOCK_V] without a floor): inside the vocabulary and in the token's
+    support (not below its floor, or its target; a NaN logit stays in and shows in the result)."""
+    keep = mask_v[None, :]
+    if floor_ptr is not None:
+        keep = keep & (((z < floor[:, None]) == 0) | (offs_v[None, :] == y[:, None]))
+    return keep
+
+
+@triton.jit
+def _token_grads_in(offs_t, mask_t, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, floor_ptr,
+                    HAS_ENTROPY: tl.constexpr):
+    """Per-token inputs of `_grad_logits` at offs_t: y, lse, g_lp, E_p[z], g_ent, floor (each
+    [BLOCK_T]); without entropy, mean and g_ent are placeholders that `_grad_logits` never reads."""
     y = tl.load(y_ptr + offs_t, mask=mask_t, other=-1)
     lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
     g_lp = tl.load(glp_ptr + offs_t, mask=mask_t, other=0.0)
@@ -91,19 +115,21 @@ def _token_grads_in(offs_t, mask_t, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr,
     if HAS_ENTROPY:
         mean = tl.load(mean_ptr + offs_t, mask=mask_t, other=0.0)
         g_ent = tl.load(gent_ptr + offs_t, mask=mask_t, other=0.0)
-    return y, lse, g_lp, mean, g_ent
+    return y, lse, g_lp, mean, g_ent, _load_floor(floor_ptr, offs_t, mask_t, lse)
 
 
 @triton.jit
-def _grad_logits(z, offs_v, mask_v, y, lse, g_lp, mean, g_ent, HAS_ENTROPY: tl.constexpr):
-    """G = g_lp (onehot(y) - p) - g_ent p (z - E_p[z]) on one tile, 0 outside the vocabulary."""
-    p = tl.exp(z - lse[:, None])  # [BLOCK_T, BLOCK_V]
+def _grad_logits(z, offs_v, mask_v, y, lse, g_lp, mean, g_ent, floor, floor_ptr, HAS_ENTROPY: tl.constexpr):
+    """G = g_lp (onehot(y) - p) - g_ent p (z - E_p[z]) on one tile, 0 outside the vocabulary and the
+    support."""
+    keep = _kept(z, offs_v, mask_v, y, floor, floor_ptr)
+    p = tl.where(keep, tl.exp(z - lse[:, None]), 0.0)  # [BLOCK_T, BLOCK_V]
     if HAS_ENTROPY:
         g = p * (-g_ent[:, None] * (z - mean[:, None]) - g_lp[:, None])
     else:
         g = -g_lp[:, None] * p
     g += tl.where(offs_v[None, :] == y[:, None], g_lp[:, None], 0.0)
-    return tl.where(mask_v[None, :], g, 0.0)
+    return tl.where(keep, g, 0.0)
 
 
 @triton.jit
@@ -118,7 +144,7 @@ def _split_program(T, V, tiles_per_split, BLOCK_T: tl.constexpr, BLOCK_V: tl.con
 
 
 @triton.jit
-def _forward_kernel(h_ptr, w_ptr, y_ptr, m_ptr, s_ptr, u_ptr, zy_ptr,
+def _forward_kernel(h_ptr, w_ptr, y_ptr, floor_ptr, m_ptr, s_ptr, u_ptr, zy_ptr,
                     T, V, D, stride_h, stride_w, tiles_per_split,
                     WITH_ENTROPY: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -128,19 +154,21 @@ def _forward_kernel(h_ptr, w_ptr, y_ptr, m_ptr, s_ptr, u_ptr, zy_ptr,
     s = tl.zeros((BLOCK_T,), tl.float32)
     u = tl.zeros((BLOCK_T,), tl.float32)
     zy = tl.zeros((BLOCK_T,), tl.float32)
+    floor = _load_floor(floor_ptr, offs_t, mask_t, zy)
     for v0 in range(v_start, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
         z = _logits_tile(h_ptr, w_ptr, offs_t64, offs_v.to(tl.int64), mask_t, mask_v, D, stride_h, stride_w,
                          FP32, PRECISION, BLOCK_T, BLOCK_V, BLOCK_D)
-        z = tl.where(mask_v[None, :], z, float("-inf"))
+        keep = _kept(z, offs_v, mask_v, y, floor, floor_ptr)
+        z = tl.where(keep, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
-        shifted = z - m_new[:, None]  # [BLOCK_T, BLOCK_V], -inf outside the vocabulary
+        shifted = z - m_new[:, None]  # [BLOCK_T, BLOCK_V], -inf outside the vocabulary and support
         e = tl.exp(shifted)
         alpha = tl.exp(m - m_new)
         if WITH_ENTROPY:
-            # the old terms' sum e (z - m_new) is alpha (u + (m - m_new) s); 0 (not 0 * -inf) outside V
-            u = alpha * (u + (m - m_new) * s) + tl.sum(e * tl.where(mask_v[None, :], shifted, 0.0), axis=1)
+            # the old terms' sum e (z - m_new) is alpha (u + (m - m_new) s); 0 (not 0 * -inf) outside
+            u = alpha * (u + (m - m_new) * s) + tl.sum(e * tl.where(keep, shifted, 0.0), axis=1)
         s = s * alpha + tl.sum(e, axis=1)
         zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z, 0.0), axis=1)
         m = m_new
@@ -153,13 +181,13 @@ def _forward_kernel(h_ptr, w_ptr, y_ptr, m_ptr, s_ptr, u_ptr, zy_ptr,
 
 
 @triton.jit
-def _grad_hidden_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, dh_ptr,
+def _grad_hidden_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, floor_ptr, dh_ptr,
                         T, V, D, stride_h, stride_w, tiles_per_split,
                         HAS_ENTROPY: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
     split, offs_t, offs_t64, mask_t, v_start, v_end = _split_program(T, V, tiles_per_split, BLOCK_T, BLOCK_V)
-    y, lse, g_lp, mean, g_ent = _token_grads_in(offs_t, mask_t, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr,
-                                                HAS_ENTROPY)
+    y, lse, g_lp, mean, g_ent, floor = _token_grads_in(offs_t, mask_t, y_ptr, lse_ptr, mean_ptr, glp_ptr,
+                                                       gent_ptr, floor_ptr, HAS_ENTROPY)
     dh_rows = dh_ptr + (split * T + offs_t64)[:, None] * D  # this program's rows of its split's buffer
     for v0 in range(v_start, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
@@ -167,14 +195,15 @@ def _grad_hidden_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_pt
         offs_v64 = offs_v.to(tl.int64)
         z = _logits_tile(h_ptr, w_ptr, offs_t64, offs_v64, mask_t, mask_v, D, stride_h, stride_w,
                          FP32, PRECISION, BLOCK_T, BLOCK_V, BLOCK_D)
-        g = _grad_logits(z, offs_v, mask_v, y, lse, g_lp, mean, g_ent, HAS_ENTROPY)  # [BLOCK_T, BLOCK_V]
+        g = _grad_logits(z, offs_v, mask_v, y, lse, g_lp, mean, g_ent, floor, floor_ptr,
+                         HAS_ENTROPY)  # [BLOCK_T, BLOCK_V]
         if not FP32:
             g = g.to(w_ptr.dtype.element_ty)
         _add_dot_rows(dh_rows, mask_t, g, w_ptr, offs_v64, mask_v, stride_w, D, FP32, PRECISION, BLOCK_D)
 
 
 @triton.jit
-def _grad_weight_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, dw_ptr,
+def _grad_weight_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, floor_ptr, dw_ptr,
                         T, V, D, stride_h, stride_w,
                         HAS_ENTROPY: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -186,11 +215,12 @@ def _grad_weight_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_pt
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < T
         offs_t64 = offs_t.to(tl.int64)
-        y, lse, g_lp, mean, g_ent = _token_grads_in(offs_t, mask_t, y_ptr, lse_ptr, mean_ptr, glp_ptr,
-                                                    gent_ptr, HAS_ENTROPY)
+        y, lse, g_lp, mean, g_ent, floor = _token_grads_in(offs_t, mask_t, y_ptr, lse_ptr, mean_ptr, glp_ptr,
+                                                           gent_ptr, floor_ptr, HAS_ENTROPY)
         z = _logits_tile(h_ptr, w_ptr, offs_t64, offs_v64, mask_t, mask_v, D, stride_h, stride_w,
                          FP32, PRECISION, BLOCK_T, BLOCK_V, BLOCK_D)
-        g = _grad_logits(z, offs_v, mask_v, y, lse, g_lp, mean, g_ent, HAS_ENTROPY)  # [BLOCK_T, BLOCK_V]
+        g = _grad_logits(z, offs_v, mask_v, y, lse, g_lp, mean, g_ent, floor, floor_ptr,
+                         HAS_ENTROPY)  # [BLOCK_T, BLOCK_V]
         if not FP32:
             g = g.to(h_ptr.dtype.element_ty)
         _add_dot_rows(dw_rows, mask_v, tl.trans(g), h_ptr, offs_t64, mask_t, stride_h, D, FP32, PRECISION,
@@ -265,7 +295,7 @@ def _meta(cfg: TileConfig, fp32: bool) -> dict:
 class _TritonTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                with_entropy: bool, cfg: TileConfig):
+                floor: torch.Tensor | None, with_entropy: bool, cfg: TileConfig):
         ctx.set_materialize_grads(False)  # an unused entropy output costs nothing in the backward
         (t, d), v = hidden.shape, weight.shape[0]
         fp32 = _uses_fp32(hidden, weight)
@@ -274,27 +304,27 @@ class _TritonTokenLogprobs(torch.autograd.Function):
         m, s, u, zy = torch.empty(4, splits, t, device=hidden.device, dtype=torch.float32)  # [K, T] each
         if t > 0:
             _forward_kernel[(t_blocks, splits)](
-                hidden, weight, targets, m, s, u, zy, t, v, d, hidden.stride(0), weight.stride(0), per_split,
+                hidden, weight, targets, floor, m, s, u, zy, t, v, d, hidden.stride(0), weight.stride(0), per_split,
                 WITH_ENTROPY=with_entropy, **_meta(cfg, fp32))
         logprob, entropy, lse, mean = _merge(m, s, u, zy, targets, with_entropy)
-        ctx.save_for_backward(hidden, weight, targets, lse, mean)
+        ctx.save_for_backward(hidden, weight, targets, lse, mean, floor)
         ctx.cfg, ctx.fp32, ctx.splits, ctx.per_split = cfg, fp32, splits, per_split
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None):
-        hidden, weight, targets, lse, mean = ctx.saved_tensors
+        hidden, weight, targets, lse, mean, floor = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         has_entropy = grad_entropy is not None and grad_entropy.numel() > 0
         if grad_logprob is None and not has_entropy:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         (t, d), v = hidden.shape, weight.shape[0]
         g_lp = (lse.new_zeros(t) if grad_logprob is None
                 else grad_logprob.float().masked_fill(targets < 0, 0.0).contiguous())  # [T]
         g_ent = grad_entropy.float().contiguous() if has_entropy else g_lp  # [T]; unread without entropy
         mean = mean if has_entropy else lse
         cfg, meta = ctx.cfg, _meta(ctx.cfg, ctx.fp32)
-        args = (hidden, weight, targets, lse, mean, g_lp, g_ent)
+        args = (hidden, weight, targets, lse, mean, g_lp, g_ent, floor)
         grad_h = grad_w = None
         if need_h:
             partial = torch.zeros(ctx.splits, t, d, device=hidden.device, dtype=torch.float32)  # [K, T, D]
@@ -310,16 +340,17 @@ class _TritonTokenLogprobs(torch.autograd.Function):
                     *args, grad_w32, t, v, d, hidden.stride(0), weight.stride(0),
                     HAS_ENTROPY=has_entropy, **meta)
             grad_w = grad_w32.to(weight.dtype)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def token_logprobs_triton(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                          with_entropy: bool, config: TileConfig | None = None
+                          with_entropy: bool, floor: torch.Tensor | None = None, config: TileConfig | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob [T], entropy [T] or an empty tensor) in fp32; inputs validated, targets int64 [T]."""
+    """(logprob [T], entropy [T] or an empty tensor) in fp32; inputs validated, targets int64 [T],
+    floor [T] fp32 or None."""
     if hidden.device != weight.device or hidden.device != targets.device:
         raise ValueError(f"hidden, weight and targets must share a device, got {hidden.device}, "
                          f"{weight.device}, {targets.device}")
     cfg = config or default_config(hidden.device, _uses_fp32(hidden, weight))
     return _TritonTokenLogprobs.apply(hidden.contiguous(), weight.contiguous(), targets.contiguous(),
-                                      with_entropy, cfg)
+                                      None if floor is None else floor.contiguous(), with_entropy, cfg)

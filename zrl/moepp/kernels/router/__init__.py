@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from zrl.moepp.kernels import use_triton
-from zrl.moepp.kernels.router.reference import REPLAY_SENTINEL, route_from_logits, router_logits
+from zrl.moepp.kernels.router.reference import route_from_logits, router_logits
 from zrl.moepp.kernels.router.reference import route as route_reference
 
-__all__ = ["REPLAY_SENTINEL", "route", "route_from_logits", "router_logits"]
+__all__ = ["route", "route_from_logits", "router_logits"]
 
 
 def route(r: torch.Tensor, norm_weight: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor,
@@ -26,7 +26,7 @@ def route(r: torch.Tensor, norm_weight: torch.Tensor, fc1_weight: torch.Tensor, 
 
     r [T, R] post-EDA latent (compute dtype); norm_weight, fc1_bias, fc2_bias [R]; fc1_weight,
     fc2_weight [R, R]; out_weight [C, R]; balancing_biases [C] fp32 (no gradient); replay [T] int ids
-    in [0, C - 1] or REPLAY_SENTINEL (not range-checked here: that needs a host sync; the model
+    in [0, C - 1] or zrl.types.NO_ROUTE (not range-checked here: that needs a host sync; the model
     checks once per forward), or None. Returns gate [T] fp32 = softmax(logits)[chosen], chosen [T]
     int64 (replay where given, else native), native [T] int64 = argmax(probs + balancing_biases).
     """

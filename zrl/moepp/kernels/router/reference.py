@@ -6,11 +6,11 @@ From the post-EDA latent r [T, R] (compute dtype) to the routing decision (E + 1
   logits = out(h2)                                 [T, C] compute dtype, no bias
   probs  = softmax(logits)                         fp32 (ROUTER_SOFTMAX)
   native = argmax(probs + balancing_biases)        first index on ties; no gradient through the biases
-  chosen = native where replay is None or the sentinel, else replay
+  chosen = native where replay is None or NO_ROUTE (no record), else replay
   gate   = probs[chosen]                           fp32, the only differentiable output
 
 The casts are those the model used before the kernel existed (RouterMLP + ZayaRouter), so this path
-reproduces its numbers bitwise. Replay ids must be in [0, C - 1] or the sentinel (the model checks
+reproduces its numbers bitwise. Replay ids must be in [0, C - 1] or NO_ROUTE (the model checks
 them once per forward in routing.validate_replay); an id outside that range fails in the gather.
 """
 
@@ -21,9 +21,7 @@ import torch.nn.functional as F
 
 from zrl.moepp.kernels.residual_norm.reference import rms_norm
 from zrl.moepp.precision import Fp32Op, to_op_dtype
-
-# A recorded expert id equal to this means "no record for this token": route natively.
-REPLAY_SENTINEL = 255
+from zrl.types import NO_ROUTE
 
 
 def router_logits(r: torch.Tensor, norm_weight: torch.Tensor, fc1_weight: torch.Tensor,
@@ -41,7 +39,7 @@ def route_from_logits(logits: torch.Tensor, balancing_biases: torch.Tensor,
     """Softmax, biased argmax, replay override and gather: logits [T, C] -> (gate, chosen, native) [T]."""
     probs = torch.softmax(to_op_dtype(logits, Fp32Op.ROUTER_SOFTMAX), dim=-1)  # [T, C] fp32
     native = torch.argmax(probs.detach() + balancing_biases.float(), dim=-1)  # [T]
-    chosen = native if replay is None else torch.where(replay == REPLAY_SENTINEL, native, replay)
+    chosen = native if replay is None else torch.where(replay == NO_ROUTE, native, replay)
     # Advanced indexing (not gather + select) returns a fresh tensor, not a view: FSDP2 warns on
     # views returned from a wrapped layer.
     gate = probs[torch.arange(probs.shape[0], device=probs.device), chosen]  # [T]

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from zrl.moepp.kernels import use_backend
-from zrl.moepp.kernels.router import REPLAY_SENTINEL, route, route_from_logits, router_logits
 from zrl.moepp.kernels.router import reference as ref
+from zrl.moepp.kernels.router import route, route_from_logits, router_logits
+from zrl.types import NO_ROUTE
 
 EPS = 1e-5
 GATE_ATOL = 2e-6  # measured 3.6e-7
@@ -96,7 +97,7 @@ def test_default_blocks_through_dispatch(device, triton_backend):
 
 def test_replay_all_sentinel_routes_natively(device):
     tensors, biases = make_inputs(37, 32, 5, device)
-    replay = torch.full((37,), REPLAY_SENTINEL, dtype=torch.int64, device=device)
+    replay = torch.full((37,), NO_ROUTE, dtype=torch.int64, device=device)
     assert_parity(tensors, biases, replay, block_t=16, block_k=16)
     (gate, chosen, native), grads = run(triton_route, tensors, biases, replay, block_t=16, block_k=16)
     (gate_none, _, native_none), grads_none = run(triton_route, tensors, biases, None, block_t=16, block_k=16)
@@ -108,10 +109,10 @@ def test_replay_partially_given(device):
     tensors, biases = make_inputs(37, 32, 5, device, seed=4)
     gen = torch.Generator().manual_seed(5)
     replay = torch.randint(0, 5, (37,), generator=gen)
-    replay[::3] = REPLAY_SENTINEL
+    replay[::3] = NO_ROUTE
     replay = replay.to(device)
     (gate, chosen, native), _ = assert_parity(tensors, biases, replay, block_t=16, block_k=16)
-    given = replay != REPLAY_SENTINEL
+    given = replay != NO_ROUTE
     assert torch.equal(chosen[given], replay[given]) and torch.equal(chosen[~given], native[~given])
     assert (chosen != native).any()  # the recorded ids do override some native choices
     probs = torch.softmax(router_logits(*[x.detach() for x in tensors], EPS).float(), dim=-1)
@@ -259,7 +260,7 @@ def test_model_router_uses_the_kernel(device):
     x = torch.randn(t, d, device=device, requires_grad=True)
     prev = torch.randn(t, size, device=device, requires_grad=True)
     replay = torch.randint(0, config.num_router_classes, (t,), device=device)
-    replay[::2] = REPLAY_SENTINEL
+    replay[::2] = NO_ROUTE
     results = {}
     for backend in ("reference", "triton"):
         router.zero_grad()

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zrl.moepp.kernels.router.reference import REPLAY_SENTINEL
+from zrl.types import NO_ROUTE
 
 # tl.constexpr: a compiled kernel may read a module global only as a constexpr (plain floats raise
 # NameError at compile time; the interpreter accepts them, so only an sm_90a compile catches it).
@@ -225,7 +225,7 @@ class _Route(torch.autograd.Function):
                 # replay is often a column of the [T, L] record: a strided view, made contiguous ([T] bytes)
                 r, *weights, balancing_biases.contiguous(), replay.contiguous() if replay is not None else chosen,
                 gate, chosen, native, t, r_size, num_classes, r.stride(0), eps,
-                HAS_REPLAY=replay is not None, SENTINEL=REPLAY_SENTINEL,
+                HAS_REPLAY=replay is not None, SENTINEL=NO_ROUTE,
                 DOT_PRECISION=_dot_precision(fc1_weight.dtype), num_warps=num_warps, num_stages=num_stages,
                 **blocks)
         ctx.save_for_backward(r, *weights, chosen)

@@ -1,0 +1,165 @@
+"""The README's shell commands, typed as written by a new user: every ```bash block, in README order, in
+one login shell of a fresh account, in a fresh copy of the repository. The README is parsed when the
+test runs, so the test follows it.
+
+Fresh means: a new, empty HOME (no ~/.ray, no caches, no shell profile); an environment with only what
+a login shell of a new account starts with (HOME, USER, LOGNAME, SHELL, and PATH from /etc/profile), so
+no RAY_* variable and no test marker; the current directory a copy of the checkout's tracked and
+unignored files (a clone, with its uncommitted edits) plus the `.venv` the set-up command made.
+
+The two set-up commands (`python3 zrl/bootstrap.py run|test`) are not run: CI runs the test suite, and
+`run` takes minutes (tests/e2e/test_tiny_cascade_learns.py runs its recipe in full). What `run` leaves
+behind for the commands after it is made by STAND_IN, the `zrl run` the bootstrap performs with fewer
+steps: a run directory runs/tiny-cpu-<date>-<time> with both stages exported, and the token file
+~/.ray/auth_token that its embedded Ray writes (Ray turns token authentication on for local clusters).
+
+Every command runs even after one failed, as a reader going on would, and each failure is reported
+with its command: one run lists every broken instruction. The README's Python block (the environment
+plugin) is run by tests/unit/env/test_readme_example.py and tests/e2e/test_plugin_env.py. Every run
+directory the commands made, the submitted job's included, is checked for a complete run.
+
+`ray stop` runs when the script ends, whatever happened. It stops every Ray instance of this user on
+the machine, as it would for the reader: the suite runs one test at a time and no other test keeps
+Ray running past its end.
+"""
+
+import contextlib
+import json
+import logging
+import os
+import pwd
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+log = logging.getLogger(__name__)  # the script's trace; visible with pytest --log-cli-level=INFO
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+SETUP = re.compile(r"^[ \t]*python3 zrl/bootstrap\.py (run|test)\b.*$", re.M)
+# Two SFT steps leave a policy that never copies a word: RL keeps its zero-signal groups to take its 2 steps.
+STAND_IN = (".venv/bin/zrl run recipes/tiny-cpu.yaml --set output_dir=runs/tiny-cpu-$(date +%Y%m%d-%H%M%S) "
+            "--set stages.sft_warm_start.steps=2 --set stages.copy_rl.steps=2 "
+            "--set stages.copy_rl.algorithm.dynamic_sampling=false")
+REQUIRED = ("ray start", "ray job submit", "zrl validate", "zrl envs", "zrl eval")
+FAILED = "README COMMAND FAILED"
+# Without `set -e`: a failed command is reported (exit status and the command) and the script goes on.
+PROLOGUE = f"""set -o pipefail
+trap 'echo "{FAILED} (exit $?): $BASH_COMMAND" >&2' ERR
+PS4='+ [$(date +%T)] '
+set -x
+"""
+TIMEOUT_S = 1200
+
+
+def readme_script() -> str:
+    """The README's bash blocks as one script, the set-up commands replaced by STAND_IN (run) or dropped."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", README.read_text(), re.S | re.M)
+    assert blocks, "README.md has no ```bash block"
+    return SETUP.sub(lambda m: STAND_IN if m.group(1) == "run" else "", "\n".join(blocks))
+
+
+def commands(script: str) -> str:
+    """The script without comments (a `#` after a space or at a line start), for counting commands."""
+    return "\n".join(re.sub(r"(^|\s)#.*", "", line) for line in script.splitlines())
+
+
+def fresh_clone(dest: Path) -> Path:
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        if (ROOT / name).is_file():  # a tracked file deleted in the working tree is not part of it
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    (dest / ".venv").symlink_to(ROOT / ".venv")
+    return dest
+
+
+def fresh_login_env(home: Path) -> dict[str, str]:
+    user = pwd.getpwuid(os.getuid()).pw_name
+    return {"HOME": str(home), "USER": user, "LOGNAME": user, "SHELL": "/bin/bash", "PATH": "/usr/bin:/bin"}
+
+
+def session_processes(sid: int) -> list[int]:
+    """Live processes of session `sid` (Linux /proc): the shell's commands and what they left running."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def wait_until_gone(sid: int, timeout_s: float) -> list[int]:
+    """Wait for the processes of session `sid` to exit (run loggers flush for a few seconds after their
+    run); returns those still alive after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := session_processes(sid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return alive
+
+
+def assert_complete_run(run_dir: Path) -> None:
+    """A run that ended normally: one metrics row per trainer step, every stage exported and plotted, no
+    verifier error, the run directory released by its driver."""
+    recipe = yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, sum(s["steps"] for s in recipe["stages"]) + 1)), run_dir
+    for stage in recipe["stages"]:
+        assert (run_dir / "stages" / stage["name"] / "hf" / "config.json").is_file(), (run_dir, stage["name"])
+        assert (run_dir / "stages" / stage["name"] / "summary.png").is_file(), (run_dir, stage["name"])
+    assert rows[-1]["env/verifier_errors"] == 0, run_dir
+    assert not (run_dir / "driver.json").exists(), run_dir
+
+
+def test_readme_commands_run_as_written(tmp_path):
+    script = readme_script()
+    code = commands(script)
+    missing = [c for c in REQUIRED if c not in code]
+    assert not missing, f"the README shows no {missing} command"
+    clone = fresh_clone(tmp_path / "zrl")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = fresh_login_env(home)
+    transcript = tmp_path / "transcript.log"
+    with transcript.open("w") as out:
+        shell = subprocess.Popen(["bash", "--login", "-c", PROLOGUE + script], cwd=clone, env=env, stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = shell.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            rc = f"killed after {TIMEOUT_S} s"
+        finally:
+            if shell.poll() is None:
+                os.killpg(shell.pid, signal.SIGKILL)
+            stop = subprocess.run([".venv/bin/ray", "stop"], cwd=clone, env=env, capture_output=True, text=True,
+                                  timeout=120)
+            log.info("ray stop (clean-up): %s", stop.stderr.strip().splitlines()[-1:])
+            leftover = wait_until_gone(shell.pid, timeout_s=30)
+            for pid in leftover:  # do not leak them into the next test
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    text = transcript.read_text()
+    log.info("README script transcript:\n%s", text)
+    failures = [line for line in text.splitlines() if line.startswith(FAILED)]
+    assert rc == 0 and not failures, "\n".join(failures) + f"\n(script exit: {rc}; transcript tail)\n{text[-6000:]}"
+    assert not leftover, f"processes of the README's commands alive after `ray stop`: {leftover}"
+
+    # The commands did their work: every run (the submitted job's included) wrote a complete run directory
+    # inside the clone, every job succeeded, every evaluation printed its result.
+    runs = sorted(p.parent for p in (clone / "runs").glob("*/recipe.resolved.yaml"))
+    assert len(runs) == code.count("zrl run"), runs
+    for run_dir in runs:
+        assert_complete_run(run_dir)
+    assert len(re.findall(r"Job '[^']+' succeeded", text)) == code.count("ray job submit"), text[-6000:]
+    assert text.count('"accuracy":') == code.count("zrl eval"), text[-6000:]

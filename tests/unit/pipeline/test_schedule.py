@@ -1,0 +1,102 @@
+"""The RL stage's scheduling policy without Ray: rounds from credit, training, sync cadence, faults."""
+
+import pytest
+
+from zrl.pipeline.schedule import StageSchedule
+
+
+def schedule(workers=2, version=0, steps=6, prompts_per_batch=4, sync_every=2, synchronous=False):
+    return StageSchedule(num_workers=workers, policy_version=version, end_version=version + steps,
+                         prompts_per_batch=prompts_per_batch, sync_every_steps=sync_every, synchronous=synchronous)
+
+
+def test_credit_is_shared_among_idle_workers_up_to_a_batch_each():
+    s = schedule(workers=3)
+    assert s.wants_credit()
+    s.credit_requested = True
+    assert not s.wants_credit()  # one question at a time
+    assert s.plan_rounds(6) == [(0, 4), (1, 2)]  # worker 2 gets nothing and has nothing to continue
+    assert [w.groups_in_engine for w in s.workers] == [4, 2, 0]
+    assert s.in_flight_groups() == 6
+    assert s.wants_credit()  # worker 2 is still idle
+    assert s.plan_rounds(0) == []
+
+
+def test_a_worker_with_groups_in_its_engine_continues_without_credit():
+    s = schedule(workers=2)
+    s.plan_rounds(4)
+    s.round_done(0, finished_groups=1, groups_in_engine=3, policy_version=0)
+    assert s.verifying == 1 and s.in_flight_groups() == 4
+    assert s.plan_rounds(0) == [(0, 0)]
+    s.group_handed_on()
+    assert s.in_flight_groups() == 3
+
+
+def test_an_answer_that_starts_nothing_is_not_asked_again_until_progress():
+    s = schedule()
+    assert s.plan_rounds(0) == []
+    assert not s.wants_credit() and not s.wants_batch()
+    s.progressed()
+    assert s.wants_credit() and s.wants_batch()
+    s.batch_requested = True
+    s.batch_answer(released=False)
+    assert not s.wants_batch()
+
+
+def test_weights_sync_every_k_steps_but_not_after_the_last():
+    s = schedule(steps=4, sync_every=2)
+    due = []
+    while not s.done:
+        s.batch_requested = True
+        s.batch_answer(released=True)
+        assert s.training and not s.wants_batch()
+        due.append(s.step_done())
+    assert due == [False, True, False, False]
+    assert s.policy_version == 4
+
+
+def test_synchronous_mode_starts_no_group_while_a_step_trains_or_weights_sync():
+    s = schedule(synchronous=True)
+    s.plan_rounds(4)
+    s.round_done(0, finished_groups=0, groups_in_engine=4, policy_version=0)
+    s.batch_requested = True
+    s.batch_answer(released=True)
+    assert s.paused and not s.wants_credit()
+    assert s.plan_rounds(None) == [(0, 0)]  # what is in the engine continues
+    s.step_done()
+    assert not s.paused
+    s.sync_started()
+    assert s.paused and not s.wants_batch()
+
+
+def test_a_lost_worker_loses_its_groups_and_every_worker_is_synced_again():
+    s = schedule(workers=2, version=3)
+    s.plan_rounds(8)
+    assert s.worker_lost(0) == 4
+    assert s.lost_groups == 4 and s.worker_restarts == 1
+    assert s.workers[0].policy_version == -1 and s.workers[0].restarted
+    assert s.generating_version() == 3  # the restarted worker gets the latest weights before it generates
+    assert s.wants_resync()
+    s.sync_started()
+    assert not s.wants_resync() and all(w.syncing for w in s.workers)
+    s.worker_synced(0, 3)
+    assert not s.workers[0].restarted and s.workers[0].policy_version == 3
+
+
+def test_a_failed_sync_is_retried_for_every_worker():
+    s = schedule()
+    s.sync_started()
+    s.trainer_synced()
+    s.worker_synced(0, None)
+    s.worker_synced(1, 0)
+    assert s.workers[0].policy_version == -1
+    assert s.wants_resync()
+
+
+@pytest.mark.parametrize("released", [True, False])
+def test_no_batch_is_asked_for_while_one_is_requested(released):
+    s = schedule()
+    s.batch_requested = True
+    assert not s.wants_batch()
+    s.batch_answer(released)
+    assert s.training == released

@@ -1,0 +1,62 @@
+"""Step statistics: `mismatch/onpolicy_*` is reported only on steps that have on-policy tokens.
+
+Between two weight syncs the rollout workers sample with an older version than the one being trained,
+so a step trains on no token of its own version. Its on-policy mismatch statistics are then undefined:
+the step reports `mismatch/onpolicy_num_tokens` = 0 and leaves the statistics out instead of NaN.
+"""
+
+import math
+
+import pytest
+import torch
+
+from zrl.moepp import load_hf_checkpoint
+from zrl.trainer.batch import input_length, pack_rollouts, plan_rank
+from zrl.trainer.loss import RLObjective, StepStats, rl_microbatch_loss
+from zrl.trainer.synthetic import synthetic_train_batch
+
+CPU = torch.device("cpu")
+OBJECTIVE = RLObjective("dppo_binary_tv", {"delta": 0.1, "is_cap": 1e4}, "seq_mean_token_sum_norm", 40)
+STATS = ("kl_k1", "kl_k3", "pearson_prob", "pearson_logprob", "mean_abs_prob_diff", "max_abs_prob_diff")
+
+
+@pytest.fixture(scope="module")
+def model_and_batch(tiny_checkpoint):
+    model = load_hf_checkpoint(tiny_checkpoint)
+    cfg = model.config
+    # Pulled at trainer step 1; version segments put the tokens at versions 0 and 1.
+    batch = synthetic_train_batch(vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
+                                  num_experts=cfg.num_experts, num_groups=2, group_size=4, trainer_step=1, seed=5,
+                                  model=model, logprob_noise=0.2)
+    return model, batch
+
+
+def step_metrics(model, batch, trainer_step: int) -> dict[str, float]:
+    cfg = model.config
+    rollouts, advantages = batch.rollouts(), batch.advantages()
+    lengths = [input_length(len(r.prompt_ids), len(r.token_ids)) for r in rollouts]
+    stats = StepStats("rl", num_layers=cfg.num_hidden_layers, num_classes=cfg.num_router_classes, device=CPU,
+                      with_entropy=False, replay=True)
+    with torch.no_grad():
+        for indices in plan_rank(lengths, 0, 1, 10_000).microbatches:
+            mb = pack_rollouts(rollouts, advantages, indices, num_layers=cfg.num_hidden_layers, replay=True,
+                               device=CPU)
+            rl_microbatch_loss(model, mb, OBJECTIVE, global_num_seqs=batch.num_sequences,
+                               global_num_tokens=batch.num_response_tokens, trainer_step=trainer_step, stats=stats,
+                               with_entropy=False)
+    return stats.metrics()
+
+
+def test_a_step_after_a_sync_reports_on_policy_mismatch(model_and_batch):
+    m = step_metrics(*model_and_batch, trainer_step=1)
+    assert 0 < m["mismatch/onpolicy_num_tokens"] < m["mismatch/num_tokens"]
+    assert all(math.isfinite(m[f"mismatch/onpolicy_{k}"]) for k in STATS)
+
+
+def test_a_step_between_syncs_has_no_on_policy_statistics(model_and_batch):
+    # Trainer step 2 with every token sampled by versions 0 and 1: none is on-policy.
+    m = step_metrics(*model_and_batch, trainer_step=2)
+    assert m["mismatch/onpolicy_num_tokens"] == 0
+    assert [k for k in m if k.startswith("mismatch/onpolicy_")] == ["mismatch/onpolicy_num_tokens"]
+    assert m["mismatch/num_tokens"] > 0 and all(math.isfinite(m[f"mismatch/{k}"]) for k in STATS)
+    assert not [k for k, v in m.items() if k.startswith("mismatch/") and math.isnan(v)]

@@ -1,0 +1,186 @@
+"""The RL stage's scheduling policy, apart from its transport: what to start next, given what finished.
+
+`StageSchedule` decides; it never calls Ray, vLLM or torch. The transport (zrl.pipeline.rl_stage) tells
+it what finished and carries out what it answers, so the same policy can be driven by simulated
+workers on a simulated clock.
+
+Decisions (the buffer keeps its own: admission credit, staleness, capacity, readiness):
+- Rounds. A worker is idle when it runs no round and no sync. Idle workers wait for one credit answer
+  from the buffer (`wants_credit`), which `plan_rounds` shares out: each idle worker gets up to
+  `prompts_per_batch` new groups, and a worker with groups still in its engine runs a round even with
+  none new. In synchronous mode (max_staleness_steps = 0) no new group starts while a step trains or
+  weights sync; groups already in an engine continue.
+- Training. One step at a time: a batch is asked for when no step trains and no request is pending
+  (synchronous mode: and no sync runs). The policy version is the trainer's optimizer step count.
+- Weight sync. After every `sync_every_steps`-th step except the stage's last, every worker gets the
+  new weights (`step_done` says when). A worker that died and was restarted by Ray holds unknown
+  weights: every worker is synced again at once (a sync is one collective over all of them).
+- Faults. The groups in a dead worker's engine are lost (counted); a worker may be restarted once.
+- Quiet. An answer that starts nothing (no credit, no batch) is not asked again until something
+  progressed (`progressed`: a round, an admission, a step, a sync, a fault). This never stalls: while
+  the trainer waits at a step, the buffer's credit covers `min_ready_batches`, so "no credit and no
+  batch" implies groups in flight, whose progress wakes the loop.
+
+Tracked per worker (`WorkerState`): the policy version its engine holds (-1: unknown, after a
+restart), the groups in its engine, whether a round or a sync is in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerState:
+    policy_version: int
+    groups_in_engine: int = 0
+    in_round: bool = False
+    syncing: bool = False
+    restarted: bool = False       # died and restarted, weights not yet synced
+
+    @property
+    def idle(self) -> bool:
+        return not self.in_round and not self.syncing
+
+
+@dataclass
+class StageSchedule:
+    num_workers: int
+    policy_version: int           # the trainer's: optimizer steps done
+    end_version: int              # the stage ends when the trainer reaches it
+    prompts_per_batch: int
+    sync_every_steps: int
+    synchronous: bool
+    workers: list[WorkerState] = field(init=False)
+    verifying: int = 0            # groups reported and not yet handed to the buffer
+    credit_requested: bool = False
+    batch_requested: bool = False
+    training: bool = False
+    trainer_syncing: bool = False
+    resync_needed: bool = False   # a restarted worker must get the weights
+    waiting: bool = False         # the last answers changed nothing: ask again after some progress
+    lost_groups: int = 0
+    worker_restarts: int = 0
+
+    def __post_init__(self):
+        self.workers = [WorkerState(self.policy_version) for _ in range(self.num_workers)]
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def done(self) -> bool:
+        return self.policy_version >= self.end_version
+
+    @property
+    def syncing(self) -> bool:
+        return self.trainer_syncing or any(w.syncing for w in self.workers)
+
+    @property
+    def paused(self) -> bool:
+        """Synchronous mode holds new groups back while a step trains or weights sync."""
+        return self.synchronous and (self.training or self.batch_requested or self.syncing)
+
+    def in_flight_groups(self) -> int:
+        """Groups started and not yet handed to the buffer (in engines or being verified)."""
+        return sum(w.groups_in_engine for w in self.workers) + self.verifying
+
+    def generating_version(self) -> int:
+        """The oldest policy version workers generate new groups with (a restarted worker will hold
+        the latest version before it generates again)."""
+        return min(w.policy_version if w.policy_version >= 0 else self.policy_version for w in self.workers)
+
+    def wants_credit(self) -> bool:
+        return (not self.credit_requested and not self.waiting and not self.paused
+                and any(w.idle for w in self.workers))
+
+    def wants_batch(self) -> bool:
+        return (not self.done and not self.training and not self.batch_requested and not self.waiting
+                and not (self.synchronous and self.syncing))
+
+    def wants_resync(self) -> bool:
+        return self.resync_needed and not self.syncing
+
+    # ------------------------------------------------------------------ decisions and events
+
+    def plan_rounds(self, credit: int | None) -> list[tuple[int, int]]:
+        """(worker, new groups) for every idle worker that should run a round now; `credit` is the
+        buffer's answer, None when there is none to share (only groups in engines continue)."""
+        if credit is not None:
+            self.credit_requested = False
+        left = 0 if credit is None or self.paused else credit
+        launches = []
+        for index, worker in enumerate(self.workers):
+            if not worker.idle:
+                continue
+            new = min(left, self.prompts_per_batch)
+            if new == 0 and worker.groups_in_engine == 0:
+                continue
+            left -= new
+            worker.in_round = True
+            worker.groups_in_engine += new
+            launches.append((index, new))
+        if credit is not None and not launches:
+            self.waiting = True
+        return launches
+
+    def progressed(self) -> None:
+        """Something changed that may change the buffer's answers (an admission, a step, a sync, a fault)."""
+        self.waiting = False
+
+    def round_done(self, index: int, finished_groups: int, groups_in_engine: int, policy_version: int) -> None:
+        worker = self.workers[index]
+        worker.in_round = False
+        worker.groups_in_engine = groups_in_engine
+        worker.policy_version = policy_version
+        self.verifying += finished_groups
+
+    def group_handed_on(self) -> None:
+        """A reported group went to the buffer (or was lost on the way)."""
+        self.verifying -= 1
+
+    def worker_lost(self, index: int) -> int:
+        """The worker died (Ray restarts it): its engine's groups are lost; returns how many."""
+        worker = self.workers[index]
+        lost = worker.groups_in_engine
+        self.lost_groups += lost
+        self.worker_restarts += 1
+        self.workers[index] = WorkerState(policy_version=-1, restarted=True)
+        self.resync_needed = True
+        self.waiting = False
+        return lost
+
+    def batch_answer(self, released: bool) -> None:
+        self.batch_requested = False
+        self.training = released
+        if not released:
+            self.waiting = True
+
+    def step_done(self) -> bool:
+        """The trainer finished a step; returns whether the workers get the new weights now."""
+        self.training = False
+        self.waiting = False
+        self.policy_version += 1
+        return self.policy_version % self.sync_every_steps == 0 and not self.done
+
+    def sync_started(self) -> None:
+        self.resync_needed = False
+        self.trainer_syncing = True
+        for worker in self.workers:
+            worker.syncing = True
+
+    def trainer_synced(self, ok: bool = True) -> None:
+        self.trainer_syncing = False
+        self.resync_needed |= not ok
+
+    def worker_synced(self, index: int, policy_version: int | None) -> None:
+        """A worker's part of a sync ended: with the version it now holds, or None when it failed (a
+        member died or timed out), after which every worker gets the weights again."""
+        worker = self.workers[index]
+        worker.syncing = False
+        if policy_version is None:
+            worker.policy_version = -1
+            self.resync_needed = True
+        else:
+            worker.policy_version = policy_version
+            worker.restarted = False
+        self.waiting = False
