@@ -78,7 +78,7 @@ class StageSchedule:
     @property
     def paused(self) -> bool:
         """Synchronous mode holds new groups back while a step trains or weights sync."""
-        return self.synchronous and (self.training or self.batch_requested or self.syncing)
+        return self.synchronous and (self.training or self.syncing)
 
     def in_flight_groups(self) -> int:
         """Groups started and not yet handed to the buffer (in engines or being verified)."""
@@ -119,7 +119,7 @@ class StageSchedule:
             worker.in_round = True
             worker.groups_in_engine += new
             launches.append((index, new))
-        if credit is not None and not launches:
+        if credit is not None and not launches and not self.paused:  # a pause ends with its own event
             self.waiting = True
         return launches
 
@@ -171,6 +171,7 @@ class StageSchedule:
     def trainer_synced(self, ok: bool = True) -> None:
         self.trainer_syncing = False
         self.resync_needed |= not ok
+        self.waiting = False
 
     def worker_synced(self, index: int, policy_version: int | None) -> None:
         """A worker's part of a sync ended: with the version it now holds, or None when it failed (a

@@ -100,3 +100,26 @@ def test_no_batch_is_asked_for_while_one_is_requested(released):
     assert not s.wants_batch()
     s.batch_answer(released)
     assert s.training == released
+
+
+def test_synchronous_mode_generates_while_the_trainer_waits_for_a_batch():
+    s = schedule(synchronous=True)
+    s.sync_started()
+    s.trainer_synced()
+    s.worker_synced(0, 0)
+    s.worker_synced(1, 0)
+    s.batch_requested = True  # asked for before any group exists: the answer will be "none yet"
+    assert s.wants_credit()
+    assert s.plan_rounds(4) == [(0, 4)]
+
+
+def test_a_credit_answer_during_a_synchronous_pause_does_not_stall_the_loop():
+    # The credit question left before a sync started; its answer arrives after the workers synced but
+    # before the trainer's part of the sync returned.
+    s = schedule(workers=1, synchronous=True)
+    s.credit_requested = True
+    s.sync_started()
+    s.worker_synced(0, 0)
+    assert s.plan_rounds(4) == []  # paused: nothing starts
+    s.trainer_synced()
+    assert s.wants_credit() and s.wants_batch()

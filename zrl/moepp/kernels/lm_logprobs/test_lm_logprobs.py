@@ -196,9 +196,13 @@ def test_fp32_hidden_with_bf16_weight(device, triton_backend):
     inputs = make_inputs(40, 48, 100, device, w_dtype=torch.bfloat16)
     got = run(kernel, *inputs)
     assert got[3].dtype == torch.bfloat16
-    # measured: logprob 1.9e-6, entropy 1.7e-6, grad hidden 4.3e-6, grad weight 2.4e-7 (both round
-    # nearly the same fp32 sums to bf16)
-    assert_all_close(got, run(reference, *inputs), **FP32_TOL)
+    want = run(reference, *inputs)
+    # measured: logprob 1.9e-6, entropy 1.7e-6, grad hidden 4.3e-6
+    assert_all_close(got[:3], want[:3], **FP32_TOL)
+    # The bf16 weight gradient rounds nearly the same fp32 sums to bf16: where a sum sits on a rounding
+    # boundary the two round one bf16 step apart. Measured: 2.4e-7 on one x86-64 CPU, 4.9e-4 (one step at
+    # |g| ~ 0.06) on another; bf16 steps are 2^-8..2^-7 relative, so allow 2^-6.
+    torch.testing.assert_close(got[3].float(), want[3].float(), rtol=2**-6, atol=FP32_TOL["atol"])
 
 
 @pytest.mark.gpu
