@@ -115,10 +115,9 @@ class RolloutWorker:
         self.publish = publish if publish is not None else (lambda group: group)
         self.sampling = SamplingConfig(max_tokens=s.max_response_tokens, temperature=s.temperature, top_p=s.top_p,
                                        top_k=max(s.top_k, 0), min_p=s.min_p, stop=tuple(s.stop))
-        seed += s.seed  # the recipe's per-stage offset of the sampling streams
-        stream_seed = seed * 1000 + worker_index
+        engine_seed, stream_seed = worker_seeds(seed, s.seed, worker_index)
         self.engine = RolloutEngine(model_path, dtype=dtype, max_model_len=s.max_prompt_tokens + s.max_response_tokens,
-                                    max_num_seqs=max_num_seqs, seed=seed + worker_index, policy_version=policy_version)
+                                    max_num_seqs=max_num_seqs, seed=engine_seed, policy_version=policy_version)
         self.source = PromptSource(stage.environments, seed=stream_seed)
         self.vocab_size = MoEPPConfig.from_pretrained_dir(model_path).vocab_size
         self.rare_bands = tuple(stage.algorithm.canaries.rare_token_bands)
@@ -238,6 +237,13 @@ class RolloutWorker:
 
     def _in_flight_tokens(self) -> int:
         return sum(self.engine.in_flight().values())
+
+
+def worker_seeds(stage_seed: int, sampling_seed: int, worker_index: int) -> tuple[int, int]:
+    """(engine seed, prompt-stream seed) of one rollout worker; `sampling_seed` is the recipe's
+    `stages[].sampling.seed`, an offset that draws other prompts and samples with the same recipe."""
+    seed = stage_seed + sampling_seed
+    return seed + worker_index, seed * 1000 + worker_index
 
 
 def _to_rollout(out) -> Rollout:

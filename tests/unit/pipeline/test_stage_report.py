@@ -1,0 +1,40 @@
+"""What an RL stage reports: the console line, the metric cadence and the workers' seeds."""
+
+from zrl.config import parse_recipe
+from zrl.pipeline.controller import Cascade
+from zrl.pipeline.rollout_worker import worker_seeds
+from zrl.pipeline.schedule import StageSchedule
+from zrl.pipeline.stage_report import StageCounters, progress_line, step_metrics
+
+
+def values(**extra):
+    schedule = StageSchedule(num_workers=1, policy_version=3, end_version=6, prompts_per_batch=2,
+                             sync_every_steps=2, synchronous=False)
+    return step_metrics(StageCounters(), schedule, {"loss/policy": 0.5}, extra, window_s=2.0)
+
+
+def test_a_step_without_new_groups_shows_no_reward_instead_of_nan():
+    assert "| reward - |" in progress_line(4, 6, values())
+    assert "| reward 0.250 |" in progress_line(4, 6, values(**{"reward/mean": 0.25}))
+
+
+def test_metrics_are_logged_every_log_every_steps_and_at_each_stage_end():
+    recipe = parse_recipe({
+        "name": "cadence", "model": {"path": "unused"}, "output_dir": "/nonexistent/cadence",
+        "metrics": {"log_every_steps": 3},
+        "stages": [{"name": "a", "kind": "rl", "steps": 4, "environments": [{"name": "arithmetic"}]},
+                   {"name": "b", "kind": "rl", "steps": 4, "environments": [{"name": "arithmetic"}]}]})
+    cascade = Cascade(recipe, "unused")
+    logged = []
+    cascade.metrics = type("Sink", (), {"log": lambda self, step, v: logged.append((step, v["stage/index"]))})()
+    for index, stage in enumerate(recipe.stages):
+        log = cascade._log(stage)
+        for step in range(4 * index + 1, 4 * index + 5):
+            log(step, {})
+    assert logged == [(3, 0.0), (4, 0.0), (6, 1.0), (8, 1.0)]
+
+
+def test_the_sampling_seed_offsets_every_workers_streams():
+    assert worker_seeds(10, 0, 1) == (11, 10001)  # no offset: the stage's own streams
+    assert worker_seeds(10, 5, 1) == (16, 15001)
+    assert len({worker_seeds(10, 0, w) for w in range(4)}) == 4  # workers differ
