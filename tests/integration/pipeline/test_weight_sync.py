@@ -6,7 +6,7 @@ samples, and no process may hold much more than a bucket of the model at once du
 """
 
 import json
-import os
+import logging
 from pathlib import Path
 
 import pytest
@@ -93,7 +93,7 @@ def test_streamed_sync_equals_a_fresh_engine_within_a_bucket_of_memory(tmp_path,
     largest = max(sizes.values())
     layer = max(sum(n for k, n in sizes.items() if k.startswith(f"model.layers.{i}."))
                 for i in range(MODEL["num_hidden_layers"]))
-    print(f"model {model_bytes / 2**20:.1f} MiB, bucket {bucket / 2**20:.2f} MiB, largest tensor "
+    logging.getLogger(__name__).info(f"model {model_bytes / 2**20:.1f} MiB, bucket {bucket / 2**20:.2f} MiB, largest tensor "
           f"{largest / 2**20:.2f} MiB, layer {layer / 2**20:.2f} MiB; peak extra: sender "
           f"{result['sender_peak'] / 2**20:.2f} MiB, receiver {result['receiver_peak'] / 2**20:.2f} MiB")
     assert 0 <= result["sender_peak"] <= bucket + largest + SLACK_BYTES
