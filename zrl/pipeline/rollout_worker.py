@@ -60,9 +60,7 @@ class GroupTicket:
     """A finished group as the stage loop sees it: ids and counts; the data stays behind references."""
 
     group_id: str
-    env: str
     num_rollouts: int
-    num_response_tokens: int
     ref: Any                       # what `publish` returned for the GeneratedGroup (Ray: an ObjectRef)
     text_ref: Any                  # ... and for its GroupText (the verifier fetches only this)
 
@@ -143,8 +141,8 @@ class RolloutWorker:
                     finished.append(self._close(sample.group_id))
             busy += time.perf_counter() - t0
         generated = sum(len(r.token_ids) for g in finished for r in g.rollouts) + self._in_flight_tokens() - before
-        tickets = [GroupTicket(g.group_id, g.prompt.env, len(g.rollouts), sum(len(r.token_ids) for r in g.rollouts),
-                               self.publish(g), self.publish(GroupText(g.prompt, tuple(r.text for r in g.rollouts))))
+        tickets = [GroupTicket(g.group_id, len(g.rollouts), self.publish(g),
+                               self.publish(GroupText(g.prompt, tuple(r.text for r in g.rollouts))))
                    for g in finished]
         return RoundReport(tickets=tickets, in_flight_groups=len(self._open), generated_tokens=generated,
                            busy_s=busy, policy_version=self.engine.version, skipped_long_prompts=skipped,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from zrl.pipeline.weight_sync import SyncAddress, SyncGroup, SyncHeader, TensorSpec, bucket_layout
+from zrl.pipeline.weight_sync import HostPeakMemory, SyncAddress, SyncGroup, SyncHeader, TensorSpec, bucket_layout
 from zrl.trainer.settings import DTYPES
 from zrl.types import RankShare
 
@@ -93,7 +93,6 @@ class TrainerRank:
 
     def sync_weights(self, dtype: str, bucket_bytes: int) -> SyncSent:
         """Collective over the trainer ranks: stream the policy to the sync group (rank 0 sends)."""
-        from zrl.pipeline.weight_sync import HostPeakMemory
         from zrl.trainer.export import iter_full_tensors, weight_specs
 
         model, version = self.worker.model, self.worker.version
