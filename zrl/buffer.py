@@ -31,6 +31,11 @@ Invariants:
   a released group leaves the buffer (released at most once).
 - Conservation (cumulative counts): received = dropped_zero_signal + admitted;
   admitted = released + evicted_capacity + evicted_stale + discarded_on_resume + buffered.
+- Exactly once: the prompt ledger holds the id of every group received in the stage (a group's id is
+  its place in a worker's prompt stream, zrl.pipeline.rollout_worker.stream_group_id). A group whose
+  id is already in it is a repeat (a worker that drew the same place twice): it is counted as
+  `duplicates` and dropped before scoring, so no prompt place is trained twice. received = the
+  ledger's size. The ledger is saved with the state (ids only).
 
 Pacing (`admission_credit`): a group started now by workers at version w has min_version >= w and can
 be released at trainer steps up to w + s_max (s_max = max_staleness_steps). The trainer pulls one batch
@@ -47,8 +52,8 @@ when groups finish in the order they were started no group goes stale either. A 
 after a later-started one may miss the last pull its version allows (the trainer does not wait for
 it); it is then evicted as stale — pacing reduces waste, the eviction is the guarantee.
 
-Resume: `state_dict` keeps counters, the frontier and its pending observations, the trainer step and
-the staleness histogram. Buffered groups are not saved (they hold token, logprob and routing arrays
+Resume: `state_dict` keeps counters, the frontier and its pending observations, the trainer step,
+the staleness histogram and the prompt ledger. Buffered groups are not saved (they hold token, logprob and routing arrays
 and are cheap to regenerate relative to a checkpoint's size); they are counted as
 `discarded_on_resume` in the saved state.
 """
@@ -74,18 +79,18 @@ from zrl.algorithms import (
 from zrl.canaries import compressibility_report, repetition_gate
 from zrl.config.schema import Algorithm, Asynchrony, RLStage, Sampling
 from zrl.trainer.packing import split_batch
-from zrl.types import RolloutGroup, TrainBatch, Verification
+from zrl.types import RolloutGroup, TrainBatch, Verification, stream_place
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the prompt ledger
 
-AdmissionStatus = Literal["buffered", "dropped_zero_signal", "evicted_stale", "evicted_capacity"]
+AdmissionStatus = Literal["buffered", "dropped_zero_signal", "evicted_stale", "evicted_capacity", "duplicate"]
 
 # Cumulative counters; conservation identities in the module docstring.
 COUNTERS = ("received", "dropped_zero_signal", "kept_for_length", "admitted", "released",
             "released_batches", "evicted_capacity", "evicted_stale", "discarded_on_resume",
-            "rollouts_received", "canary_flagged", "verifier_errors")
+            "rollouts_received", "canary_flagged", "verifier_errors", "duplicates")
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,7 @@ class RolloutBuffer:
         self._arrivals = 0
         self._entries: list[_Entry] = []          # sorted by key, oldest first
         self._buffered_ids: set[str] = set()
+        self._ledger: set[str] = set()             # ids of every group received in the stage
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._staleness_hist: dict[int, int] = {}  # staleness -> released rollouts
         self._pending_solve: dict[str, list[float]] = {}  # source -> [gated reward sum, rollouts]
@@ -251,8 +257,11 @@ class RolloutBuffer:
         """Score one verified group (canary gate, Δr, zero-signal filter, advantages) and buffer it."""
         if group.admitted:
             raise ValueError(f"group {group.group_id!r} is already scored; admit the worker's raw group")
-        if group.group_id in self._buffered_ids:
-            raise ValueError(f"group {group.group_id!r} is already in the buffer")
+        if group.group_id in self._ledger:
+            self._counts["duplicates"] += 1
+            logger.warning("group %s was received before in this stage: dropped (prompt ledger)", group.group_id)
+            return Admission(group.group_id, "duplicate", 0, 0, 0)
+        self._ledger.add(group.group_id)
         task = group.task_rewards()                     # [G]
         lengths = group.response_lengths()              # [G]
         flags = self._canary_flags(group)               # [G]
@@ -406,6 +415,8 @@ class RolloutBuffer:
                                  ("received", "admitted", "dropped_zero_signal", "kept_for_length",
                                   "released", "released_batches", "evicted_capacity", "evicted_stale",
                                   "discarded_on_resume")}
+        out["ledger/prompts"] = float(len(self._ledger))
+        out["ledger/duplicates"] = float(c["duplicates"])
         out["buffer/occupancy"] = float(len(self._entries))
         out["buffer/occupancy_batches"] = len(self._entries) / self.batch_groups
         out["buffer/trainer_step"] = float(self._trainer_step)
@@ -436,6 +447,13 @@ class RolloutBuffer:
             self._window = _Window()
         return out
 
+    def ledger_ahead_of(self, draws: Mapping[int, int]) -> int:
+        """Ledger ids at or past a worker's prompt-stream position (`draws`: worker index -> draws made):
+        places that worker would draw again. 0 after a consistent resume (the positions are saved after
+        every group they produced was reported); anything else would be dropped as repeats."""
+        places = (stream_place(group_id) for group_id in self._ledger)
+        return sum(1 for place in places if place is not None and place[0] in draws and place[1] >= draws[place[0]])
+
     def counts(self) -> dict[str, int]:
         """Cumulative counters plus `buffered`, for conservation checks."""
         return {**self._counts, "buffered": len(self._entries)}
@@ -454,6 +472,7 @@ class RolloutBuffer:
             "frontier": self.frontier.state_dict(),
             "pending_solve": {s: list(v) for s, v in self._pending_solve.items()},
             "pending_groups": self._pending_groups,
+            "ledger": sorted(self._ledger),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -474,6 +493,10 @@ class RolloutBuffer:
         self._staleness_hist = {int(s): int(n) for s, n in state["staleness_hist"].items()}
         self._pending_solve = {str(s): [float(v[0]), int(v[1])] for s, v in state["pending_solve"].items()}
         self._pending_groups = int(state["pending_groups"])
+        self._ledger = set(state["ledger"])
+        if len(self._ledger) != self._counts["received"]:
+            raise ValueError(f"buffer state: the prompt ledger holds {len(self._ledger)} ids but "
+                             f"{self._counts['received']} groups were received")
         self._entries = []
         self._buffered_ids = set()
         self._window = _Window()

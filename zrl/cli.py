@@ -1,26 +1,29 @@
 """The `zrl` command line: run, validate, envs, init-tiny-model.
 
 Entry points stay thin: parsing and printing here, work in the library. A user's mistake (missing
-file, bad YAML, unknown field, wrong type, out-of-range value, unknown environment) prints one line
-per problem to stderr and exits non-zero, without a traceback.
+file, bad YAML, unknown field, wrong type, out-of-range value, a bad `--set`, and every problem
+zrl.preflight finds before Ray starts) prints one line per problem to stderr,
+`zrl: error: <file or option>: <field>: <reason>`, and exits with EXIT_BAD_INPUT, without a traceback.
+`zrl validate` notes what the recipe names but this machine lacks (an environment not installed here,
+a model directory not present) and still succeeds; `zrl run` refuses those too.
 """
 
 import argparse
 import logging
+import shlex
 import signal
 import sys
-from pathlib import Path
 
 import yaml
 
 from zrl.config import Recipe, RecipeError, load_recipe
+from zrl.config.load import yaml_value
 from zrl.env.registry import UnknownEnvironmentError
 from zrl.runtime_env import apply_defaults
 
 log = logging.getLogger("zrl")
 
 EXIT_BAD_INPUT = 2
-EXIT_NOT_AVAILABLE = 3
 
 
 def _error(lines: list[str], code: int = EXIT_BAD_INPUT) -> int:
@@ -33,36 +36,22 @@ def _load(args) -> Recipe:
     return load_recipe(args.recipe, args.set or [])
 
 
-def availability(recipe: Recipe) -> list[tuple[str, str]]:
-    """(item, problem) for every referenced environment or model that is not available here."""
-    from zrl.env import registry
-
-    problems = []
-    for stage in recipe.stages:
-        for env in stage.environments:
-            try:
-                info = registry.get(env.name)
-            except UnknownEnvironmentError as exc:
-                problems.append((f"stages.{stage.name}.environments.{env.name}", str(exc)))
-                continue
-            if (getattr(stage, "algorithm", None) and stage.algorithm.advantage == "maxrl"
-                    and (env.reward_type or info.reward_type) == "continuous"):
-                problems.append((f"stages.{stage.name}.environments.{env.name}",
-                                 "reward_type is continuous but the stage uses maxrl (binary rewards only)"))
-    model = Path(recipe.model.path)
-    if not (model / "config.json").is_file() and not recipe.model.build_tiny_if_missing:
-        problems.append(("model.path", f"{model} has no config.json (and build_tiny_if_missing is false)"))
-    return problems
+def _findings_lines(source: str, findings: list[tuple[str, str]]) -> list[str]:
+    return [f"{source}: {field}: {reason}" for field, reason in findings]
 
 
 def cmd_validate(args) -> int:
+    from zrl.preflight import check
+
     recipe = _load(args)
+    findings = check(recipe)
+    if findings.problems:
+        return _error(_findings_lines(args.recipe, findings.problems))
     sys.stdout.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-    problems = availability(recipe)
     sys.stdout.write(f"# schema: OK ({len(recipe.stages)} stages)\n")
-    if problems:
-        sys.stdout.write(f"# availability: {len(problems)} item(s) not available on this machine:\n")
-        for item, problem in problems:
+    if findings.missing:
+        sys.stdout.write(f"# availability: {len(findings.missing)} item(s) not available on this machine:\n")
+        for item, problem in findings.missing:
             sys.stdout.write(f"#   {item}: {problem}\n")
     else:
         sys.stdout.write("# availability: every environment and the model are available\n")
@@ -91,16 +80,24 @@ def cmd_init_tiny_model(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from zrl.preflight import check
     from zrl.run import RunDirectoryError, run_recipe
 
     recipe = _load(args)
-    problems = [f"{item}: {problem}" for item, problem in availability(recipe)]
-    if problems:
-        return _error(problems, EXIT_NOT_AVAILABLE)
+    findings = check(recipe)
+    if findings.problems or findings.missing:
+        return _error(_findings_lines(args.recipe, findings.problems + findings.missing))
     try:
-        return run_recipe(recipe, address=args.address, resume=args.resume)
+        return run_recipe(recipe, address=args.address, resume=args.resume, command=_run_command(args))
     except RunDirectoryError as exc:
         return _error([str(exc)])
+
+
+def _run_command(args) -> str:
+    """The `zrl run` command line that names this recipe (for the resume hint)."""
+    sets = "".join(f" --set {shlex.quote(item)}" for item in args.set or [])
+    address = f" --address {shlex.quote(args.address)}" if args.address else ""
+    return f"zrl run {shlex.quote(args.recipe)}{sets}{address}"
 
 
 def cmd_eval(args) -> int:
@@ -110,7 +107,12 @@ def cmd_eval(args) -> int:
     from zrl.config.schema import EnvironmentSpec
     from zrl.evaluate import evaluate
 
-    options = yaml.safe_load(args.options) if args.options else {}
+    try:
+        options = yaml_value(args.options) if args.options else {}
+    except yaml.YAMLError:
+        return _error([f"--options: not YAML: {args.options!r}"])
+    if not isinstance(options, dict):
+        return _error([f"--options: expected a mapping such as '{{max_operand: 20}}', got {args.options!r}"])
     result = evaluate(args.checkpoint, EnvironmentSpec(name=args.env, options=options), num_prompts=args.num_prompts,
                       seed=args.seed, samples_per_prompt=args.samples, temperature=args.temperature,
                       max_response_tokens=args.max_response_tokens, dtype=args.dtype)
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(exc).splitlines())
     except UnknownEnvironmentError as exc:
         return _error([str(exc)])
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, without a checkpoint
+        return _error(["interrupted; resume from the latest checkpoint with `zrl run RECIPE --resume`"], 130)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,22 @@ Each entry of a stage's environment list is one environment *instance* with its 
 prompt it draws (`Prompt.env`), so whoever verifies or demonstrates a prompt finds the instance that
 made it (`stage_environments`), even when one environment is listed twice with different options, and
 per-environment metrics are named by it.
+
+An environment whose `sample` raises or returns anything but the prompts asked for stops the stage with
+an `EnvironmentFault` naming the entry's key, the call and what came back (no prompt stream can go on
+without it; a retry would draw the same failing call, since `sample` is deterministic).
 """
 
 import dataclasses
 import hashlib
+import inspect
 import random
+import reprlib
 from dataclasses import dataclass
 
 from zrl.config.schema import EnvironmentSpec
 from zrl.env import Environment, registry
+from zrl.env.base import EnvironmentFault
 from zrl.types import Prompt
 
 
@@ -32,13 +39,23 @@ class MixtureEntry:
 
 
 def build_environment(spec: EnvironmentSpec) -> Environment:
-    info = registry.get(spec.name)
+    """The entry's environment, built with the recipe's options. Errors name the environment: an
+    unknown name (UnknownEnvironmentError), a factory that is not a complete Environment or makes
+    something else (TypeError), a constructor that rejects the options (ValueError)."""
+    factory = registry.get(spec.name).factory
+    if inspect.isclass(factory):
+        if not issubclass(factory, Environment):
+            raise TypeError(f"{spec.name!r} is not a subclass of zrl.env.Environment")
+        if inspect.isabstract(factory):
+            raise TypeError(f"{spec.name!r} does not implement {', '.join(sorted(factory.__abstractmethods__))}")
     try:
-        env = info.factory(**spec.options)
-    except TypeError as exc:  # unknown or missing constructor options: the user's recipe
-        raise ValueError(f"environment {spec.name!r}: bad options {spec.options}: {exc}") from None
+        env = factory(**spec.options)
+    except Exception as exc:  # a constructor rejects bad options with whatever exception it likes
+        raise ValueError(f"{spec.name!r} rejected options {spec.options}: {type(exc).__name__}: {exc}") from None
     if not isinstance(env, Environment):
-        raise TypeError(f"environment {spec.name!r} ({info.factory!r}) is not a zrl.env.Environment")
+        raise TypeError(f"{spec.name!r} made a {type(env).__name__}, not a zrl.env.Environment")
+    if not isinstance(getattr(env, "name", None), str) or not env.name:
+        raise TypeError(f"{spec.name!r} has no `name` (a non-empty string)")
     return env
 
 
@@ -61,6 +78,26 @@ def stage_environments(environments: list[EnvironmentSpec]) -> dict[str, Environ
     return {e.key: e.env for e in build_entries(environments)}
 
 
+def checked_sample(env: Environment, key: str, n: int, seed: int) -> list[Prompt]:
+    """`env.sample(n, seed)`, checked: exactly `n` Prompt objects, else an `EnvironmentFault` naming the
+    entry `key` and what came back (a stage cannot go on without prompts)."""
+    call = f"environment {key!r}: sample({n}, seed={seed})"
+    try:
+        prompts = env.sample(n, seed=seed)
+    except Exception as exc:  # a plugin's bug: one line naming it, the traceback kept as the cause
+        raise EnvironmentFault(f"{call} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(prompts, (list, tuple)):
+        raise EnvironmentFault(f"{call} returned {reprlib.repr(prompts)} ({type(prompts).__name__}), "
+                               "not a list of prompts")
+    if len(prompts) != n:
+        raise EnvironmentFault(f"{call} returned {len(prompts)} prompts")
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, Prompt):
+            raise EnvironmentFault(f"{call} returned {reprlib.repr(prompt)} ({type(prompt).__name__}) at "
+                                   f"index {index}, not a zrl.types.Prompt")
+    return list(prompts)
+
+
 def _derived_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little")
 
@@ -77,7 +114,8 @@ class PromptSource:
         weights = [e.spec.weight for e in self.entries]
         picks = rng.choices(range(len(self.entries)), weights=weights, k=n)
         per_env = {i: picks.count(i) for i in sorted(set(picks))}
-        drawn = {i: iter(self.entries[i].env.sample(count, seed=_derived_seed(self.seed, self.draws, i)))
+        drawn = {i: iter(checked_sample(self.entries[i].env, self.entries[i].key, count,
+                                          _derived_seed(self.seed, self.draws, i)))
                  for i, count in per_env.items()}
         self.draws += 1
         return [dataclasses.replace(next(drawn[i]), env=self.entries[i].key) for i in picks]

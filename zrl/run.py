@@ -13,7 +13,8 @@ how it is recorded, not what is optimised: labels, output_dir (a moved run direc
 (pool sizes and CPUs/GPUs: the trainer checkpoint reshards to any rank count and HSDP grouping; the
 token budget of a microbatch only changes the packing; activation checkpointing only recomputes and
 activation offload only moves saved activations to host memory), metrics sinks,
-`model.build_tiny_if_missing`, a stage's `checkpoint_every_steps` and `asynchrony.verifier_timeout_s`.
+`model.build_tiny_if_missing`, a stage's `checkpoint_every_steps` and its fault limits (`asynchrony`'s
+`verifier_timeout_s`, `max_worker_restarts`, `progress_timeout_s`, `max_discarded_batches`).
 
 The console shows zrl's progress lines; the engines' (vLLM's) logs go to `<output_dir>/logs/`, one
 file per process, and only their warnings and errors also reach the console (zrl/runtime_env.py).
@@ -30,6 +31,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -37,6 +39,8 @@ from pathlib import Path
 import yaml
 
 from zrl.config import Recipe, parse_recipe
+from zrl.pipeline.faults import Interrupted, StageStopped, StopRequest, TrainerFailed
+from zrl.reaper import DRIVER_TAG, Reaper, kill_tagged
 from zrl.runtime_env import engine_logs
 
 log = logging.getLogger("zrl")
@@ -44,9 +48,10 @@ log = logging.getLogger("zrl")
 RESUMABLE_FIELDS = (
     "name", "description", "output_dir", "resources.*", "metrics.*", "model.build_tiny_if_missing",
     "stages.*.checkpoint_every_steps", "stages.*.asynchrony.verifier_timeout_s",
+    "stages.*.asynchrony.max_worker_restarts", "stages.*.asynchrony.progress_timeout_s",
+    "stages.*.asynchrony.max_discarded_batches",
 )
 DRIVER_FILE = "driver.json"
-DRIVER_TAG = "ZRL_DRIVER_TAG"  # set in the driver's environment: every process it starts inherits it
 LOG_DIR = "logs"  # engine log files, under the run directory
 
 
@@ -121,29 +126,10 @@ def _zrl_process_alive(pid: int) -> bool:
     return b"zrl" in cmdline
 
 
-def tagged_processes(tag: str) -> list[int]:
-    """Live processes of this host whose environment carries DRIVER_TAG=`tag` (Linux /proc)."""
-    needle = f"{DRIVER_TAG}={tag}".encode()
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                pids.append(int(entry.name))
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return pids
-
-
 def _reap(holder: dict) -> None:
-    """Kill what the embedded Ray of a dead driver left running.
-
-    A SIGKILLed driver takes its Ray head (GCS, raylet: kernel fate sharing) and the workers with it,
-    but the raylet's agents (dashboard agent, runtime-env agent) wait about a minute on the dead GCS
-    before they exit. They inherited the driver's DRIVER_TAG, which no other process carries."""
-    pids = [p for p in tagged_processes(holder["tag"]) if p != os.getpid()]
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    """Kill what the embedded Ray of a dead driver left running (its reaper normally did already;
+    see zrl/reaper.py)."""
+    pids = kill_tagged(holder["tag"])
     if pids:
         log.warning("killed %d process(es) left by the interrupted driver (pid %d): %s", len(pids), holder["pid"],
                     pids)
@@ -212,29 +198,57 @@ def check_capacity(cluster: dict[str, float], needed: dict[str, float]) -> list[
             for kind, amount in needed.items() if amount > cluster.get(kind, 0) + 1e-9]
 
 
-def run_recipe(recipe: Recipe, address: str | None = None, resume: bool = False) -> int:
+def run_recipe(recipe: Recipe, address: str | None = None, resume: bool = False, command: str = "zrl run RECIPE") -> int:
+    """Run the cascade; returns the exit code. `command`: how the user started it (for the resume hint).
+
+    Stops (see zrl/pipeline/faults.py): the first SIGINT/SIGTERM saves a checkpoint at the next step
+    boundary and exits 128 + the signal; a stage that cannot go on exits 1 with its reason; a failed
+    trainer rank restarts the trainer pool from the latest checkpoint up to `resources.trainer_restarts`
+    times. Each ends with one line, and the resume command when a checkpoint exists."""
     out = Path(recipe.output_dir)
     point, (driver_file, tag) = prepare_run_dir(recipe, resume)
     log.info("run directory: %s (resolved recipe written)%s", out,
              "" if point is None else f"; resuming from trainer step {point.step} of stage {point.stage!r}")
     previous_tag = os.environ.get(DRIVER_TAG)
     os.environ[DRIVER_TAG] = tag  # before ray.init: an embedded Ray's processes inherit it
+    reaper = Reaper(tag) if address is None and Path("/proc").is_dir() else None
     try:
-        with engine_logs(out / LOG_DIR) as config:
+        with engine_logs(out / LOG_DIR) as config, _stop_on_signals():
             if config is not None:
                 log.info("engine (vLLM) logs: %s; their warnings and errors also show here", out / LOG_DIR)
-            return _run(recipe, address, point)
+            return _run(recipe, address, point, f"{command} --resume")
     finally:
         if previous_tag is None:
             os.environ.pop(DRIVER_TAG, None)
         else:
             os.environ[DRIVER_TAG] = previous_tag
         driver_file.unlink(missing_ok=True)
+        if reaper is not None:
+            reaper.stop()
 
 
-def _run(recipe: Recipe, address: str | None, point) -> int:
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGINT/SIGTERM ask for a stop at the next step boundary (only the main thread can take signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    StopRequest.install()
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        StopRequest.clear()
+
+
+def _run(recipe: Recipe, address: str | None, point, resume_command: str) -> int:
+    from zrl.pipeline.controller import Cascade, latest_checkpoint
+
     model_path = prepare_model(recipe)
     ray = connect_ray(address)
+    restarts = recipe.resources.trainer_restarts
     try:
         cluster = ray.cluster_resources()
         needed = required_resources(recipe)
@@ -245,10 +259,35 @@ def _run(recipe: Recipe, address: str | None, point) -> int:
             for line in problems:
                 log.error(line)
             return 2
-        from zrl.pipeline.controller import Cascade
-
-        step = Cascade(recipe, model_path, resume=point).run()
-        log.info("cascade %r finished at trainer step %d; run directory %s", recipe.name, step, recipe.output_dir)
-        return 0
+        while True:
+            try:
+                step = Cascade(recipe, model_path, resume=point).run()
+                log.info("cascade %r finished at trainer step %d; run directory %s", recipe.name, step,
+                         recipe.output_dir)
+                return 0
+            except TrainerFailed as exc:
+                point = latest_checkpoint(recipe.output_dir)
+                if restarts == 0 or point is None:
+                    why = "no checkpoint to restart from" if point is None else "resources.trainer_restarts used up"
+                    return _stopped(f"{exc} ({why})", point, resume_command, 1)
+                restarts -= 1
+                log.warning("%s; restarting the trainer pool from the checkpoint at trainer step %d (%d restart(s) "
+                            "left)", exc, point.step, restarts)
+            except StageStopped as exc:
+                return _stopped(str(exc), latest_checkpoint(recipe.output_dir), resume_command, 1)
+            except Interrupted as exc:
+                return _stopped(f"zrl run {exc}", latest_checkpoint(recipe.output_dir), resume_command,
+                                128 + exc.signum)
+            except OSError as exc:  # the run directory's disk is full or it became unwritable
+                where = exc.filename or recipe.output_dir
+                return _stopped(f"writing {where} failed: {exc.strerror or exc}", latest_checkpoint(recipe.output_dir),
+                                resume_command, 1)
     finally:
         ray.shutdown()
+
+
+def _stopped(message: str, point, resume_command: str, code: int) -> int:
+    hint = ("; no checkpoint was saved" if point is None else
+            f"; latest checkpoint: trainer step {point.step}; resume with: {resume_command}")
+    log.error("%s%s", message, hint)
+    return code

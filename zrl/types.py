@@ -5,6 +5,7 @@ worker (tokens, behaviour logprobs, routing record, per-token policy versions) t
 buffer; `Verification` from an environment's verifier to the buffer.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -239,3 +240,19 @@ def rollout_array_bytes(rollout: Rollout) -> int:
     """Bytes of one rollout's arrays: prompt and response token ids, logprobs and routing record."""
     arrays = (rollout.prompt_ids, rollout.token_ids, rollout.logprobs, rollout.routing)
     return sum(a.nbytes for a in arrays if a is not None)
+
+
+_STREAM_PLACE = re.compile(r"^w(\d+)-d(\d+)\.(\d+)-")
+
+
+def stream_group_id(worker_index: int, draw: int, position: int, prompt_id: str) -> str:
+    """A generated group's id: its place in a rollout worker's prompt stream (draw, position in the
+    draw), the same whenever that place is drawn again (a restarted or resumed worker), so the buffer's
+    prompt ledger recognises a repeat; the prompt id is for the reader."""
+    return f"w{worker_index}-d{draw}.{position}-{prompt_id}"
+
+
+def stream_place(group_id: str) -> tuple[int, int] | None:
+    """(worker index, draw) of a `stream_group_id`, None for other ids."""
+    match = _STREAM_PLACE.match(group_id)
+    return None if match is None else (int(match[1]), int(match[2]))

@@ -66,7 +66,7 @@ def test_prompts_carry_the_key_of_the_entry_that_made_them():
 
 
 def test_each_prompt_is_verified_by_the_instance_that_made_it():
-    verifier = Verifier(specs())
+    verifier = Verifier(specs(), timeout_s=30)
     prompts = PromptSource(specs(), seed=0).next_prompts(64)
     for p in prompts:
         made_by = p.payload["made_by"]

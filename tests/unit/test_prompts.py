@@ -5,7 +5,10 @@ import collections
 import pytest
 
 from zrl.config.schema import EnvironmentSpec
+from zrl.env import Environment
+from zrl.env.base import EnvironmentFault
 from zrl.prompts import PromptSource
+from zrl.types import Message, Prompt
 
 
 def source(seed=0):
@@ -33,5 +36,38 @@ def test_mixture_follows_the_weights():
 
 
 def test_bad_options_name_the_environment():
-    with pytest.raises(ValueError, match="environment 'arithmetic': bad options {'colour': 1}"):
+    with pytest.raises(ValueError, match="'arithmetic' rejected options {'colour': 1}: TypeError"):
         PromptSource([EnvironmentSpec(name="arithmetic", options={"colour": 1})], seed=0)
+
+
+class Broken(Environment):
+    """Its `sample` misbehaves in the way its `fault` option names."""
+
+    name = "broken"
+
+    def __init__(self, fault: str):
+        self.fault = fault
+
+    def sample(self, n, seed, split="train", difficulty=None):
+        good = [Prompt(env=self.name, prompt_id=f"{seed}:{i}", messages=(Message("user", "q"),), answer="",
+                       data_source=self.name) for i in range(n)]
+        return {"raises": lambda: 1 / 0, "fewer": lambda: good[:-1], "none": lambda: [], "more": lambda: good * 2,
+                "nothing": lambda: None, "dicts": lambda: good[:1] + [{"q": 1}] * (n - 1)}[self.fault]()
+
+    def verify(self, prompt, response):
+        return 0.0
+
+
+@pytest.mark.parametrize("fault, what", [
+    ("raises", r"raised ZeroDivisionError: division by zero"),
+    ("fewer", r"returned 2 prompts"),
+    ("none", r"returned 0 prompts"),
+    ("more", r"returned 6 prompts"),
+    ("nothing", r"returned None \(NoneType\), not a list of prompts"),
+    ("dicts", r"returned {'q': 1} \(dict\) at index 1, not a zrl.types.Prompt"),
+])
+def test_a_misbehaving_sample_is_one_environment_fault_naming_the_entry(fault, what):
+    source = PromptSource([EnvironmentSpec(name=f"{__name__}:Broken", key="bad", options={"fault": fault})], seed=0)
+    with pytest.raises(EnvironmentFault, match=rf"^environment 'bad': sample\(3, seed=\d+\) {what}$"):
+        source.next_prompts(3)
+    assert source.state_dict()["draws"] == 0  # the failed draw is not counted

@@ -2,6 +2,8 @@
 
 Invariants:
 - pydantic v2 with `extra="forbid"` everywhere: an unknown or misspelt field is an error naming its path.
+- Strict types: a number field takes a number, a flag takes true/false (`steps: true` or `steps: "3"` is an
+  error, not 1 or 3; an integer is a valid float), and every float is finite (`.inf`/`.nan` are errors).
 - Units are in field names (`max_response_tokens`, `timeout_s`, `sync_every_steps`).
 - Pluggable parts are discriminated unions: a stage on `kind` (`rl` | `sft`), a trust region on `type`.
 - Defaults are the ZAYA1-8B production values (ZAYA1-8B report §IV-B1): 128 prompts x G=16,
@@ -19,14 +21,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 # --- model, resources, metrics -------------------------------------------------------------------
 
 class ModelSpec(Strict):
-    path: str = Field(description="Hugging Face `zaya` checkpoint directory (config.json + safetensors + tokenizer)")
-    tokenizer_path: str | None = Field(None, description="tokenizer directory; defaults to `path`")
+    path: str = Field(min_length=1,
+                      description="Hugging Face `zaya` checkpoint directory (config.json + safetensors + tokenizer)")
+    tokenizer_path: str | None = Field(None, min_length=1, description="tokenizer directory; defaults to `path`")
     build_tiny_if_missing: bool = Field(
         False, description="build the tiny CPU checkpoint and tokenizer at `path` when it does not exist")
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -48,6 +51,8 @@ class Resources(Strict):
     activation_offload: bool = Field(
         False, description="keep the activations autograd saves for backward in host memory until backward needs "
                            "them (accelerators only; nothing to offload to on CPU)")
+    trainer_restarts: int = Field(1, ge=0, description="times the controller restarts the trainer pool from the "
+                                  "latest checkpoint after a trainer rank failed (0: the run stops)")
     hsdp_replicas: int = Field(
         1, ge=1, description="trainer replica groups: each parameter is sharded over trainer_workers / hsdp_replicas "
                              "ranks (the FSDP shard size) and replicated across the groups; 1 = plain FSDP")
@@ -194,6 +199,12 @@ class AdamWSpec(Strict):
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.0, ge=0)
 
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _a_pair_is_written_as_a_list(cls, value):
+        # YAML (and the run directory's resolved recipe) has lists, not tuples; strict mode wants a tuple.
+        return tuple(value) if isinstance(value, list) else value
+
 
 class Optimizer(Strict):
     muon: MuonSpec = MuonSpec()
@@ -216,6 +227,12 @@ class Asynchrony(Strict):
     sync_bucket_mib: float = Field(512.0, gt=0, description="weight-sync bucket: the most weight bytes in "
                                    "flight at once (bounds the extra memory of sender and receivers)")
     sync_timeout_s: float = Field(600.0, gt=0, description="a sync collective that takes longer fails")
+    max_worker_restarts: int = Field(3, ge=0, description="times Ray restarts one rollout worker before the stage "
+                                     "stops")
+    progress_timeout_s: float = Field(3600.0, gt=0, description="the stage stops (with the reason and counts) when "
+                                      "no trainer step completes for this long")
+    max_discarded_batches: int = Field(25, ge=1, description="the stage stops when this many batches' worth of "
+                                       "groups in a row were discarded (zero signal) or skipped (prompt too long)")
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -3,16 +3,22 @@
 Contract (docs/design.md "Contracts"):
 - `sample(n, seed, split, difficulty)` is deterministic in its arguments, so a run can resume and an
   evaluation set is fixed by its seed. `split="eval"` draws from problems kept out of `split="train"`.
+  A `sample` that raises or returns anything but `n` prompts stops the stage (`EnvironmentFault`).
 - `verify(prompt, response)` returns a reward in [0, 1] (binary for `reward_type = "binary"`) or a
   `Verification` with metadata. An exception is not fatal to a run: `safe_verify` turns it into
-  reward 0 with the error recorded, and the pipeline counts it.
+  reward 0 with the error recorded, and the pipeline counts it; so is a result that is not a number.
+  The pipeline calls `verify` in a worker thread (zrl/pipeline/verifier.py) and scores a call that runs
+  past the stage's `verifier_timeout_s` 0, so a verifier must not rely on signals (they work in the
+  main thread only) and needs no timeout of its own.
 - `demonstration(prompt)` optionally returns a reference response (reasoning, `</think>`, answer);
   environments that have one can feed `sft` stages.
 Constructor keyword arguments are the recipe's per-environment `options`.
 """
 
+import dataclasses
 import hashlib
 import re
+import reprlib
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -54,15 +60,45 @@ class Environment(ABC):
         return None
 
 
+class EnvironmentFault(RuntimeError):
+    """An environment broke its contract in a way that stops the stage (its `sample` raised or returned
+    something other than the prompts asked for). The message is one line naming the environment's key
+    in the stage and what went wrong; the stage loop reports it as the reason the stage stopped."""
+
+
 def safe_verify(env: Environment, prompt: Prompt, response: str) -> Verification:
-    """Run a verifier so that its failure costs one reward, not the run."""
+    """Run a verifier so that its failure costs one reward, not the run.
+
+    Whatever `verify` does -- raise, return a non-number, a reward outside [0, 1], or a non-binary reward
+    from a binary environment -- the result is reward 0 with `error` saying what came back. A reward is
+    a number: a value `float()` converts through its own `__float__` (int, float, NumPy scalars, a
+    one-element tensor), so True and False are accepted as 1.0 and 0.0 (a binary verifier may return
+    `response == answer`); a string is rejected even where `float()` would parse it. NaN and infinities
+    are outside [0, 1]. The returned reward is a plain float.
+    """
     try:
         result = env.verify(prompt, response)
     except Exception as exc:  # a user's verifier may raise anything; the pipeline counts `error`
         return Verification(reward=0.0, error=f"{type(exc).__name__}: {exc}")
-    verification = result if isinstance(result, Verification) else Verification(reward=float(result))
-    if not 0.0 <= verification.reward <= 1.0:
-        return Verification(reward=0.0, error=f"reward {verification.reward!r} outside [0, 1]")
-    if env.reward_type == "binary" and verification.reward not in (0.0, 1.0):
-        return Verification(reward=0.0, error=f"binary environment returned reward {verification.reward!r}")
-    return verification
+    verification = result if isinstance(result, Verification) else Verification(reward=result)
+    reward = _as_reward(verification.reward)
+    if reward is None:
+        returned = "a Verification with reward " if isinstance(result, Verification) else ""
+        value = verification.reward
+        return Verification(reward=0.0, error=f"verify returned {returned}{reprlib.repr(value)} "
+                                              f"({type(value).__name__}), not a number")
+    if not 0.0 <= reward <= 1.0:
+        return Verification(reward=0.0, error=f"reward {reward!r} outside [0, 1]")
+    if env.reward_type == "binary" and reward not in (0.0, 1.0):
+        return Verification(reward=0.0, error=f"binary environment returned reward {reward!r}")
+    return dataclasses.replace(verification, reward=reward)
+
+
+def _as_reward(value) -> float | None:
+    """`value` as a float, or None when it is not a number (see `safe_verify`)."""
+    if not hasattr(type(value), "__float__"):  # str, None, list, dict: float() would parse a str, not convert it
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):  # e.g. an array of several elements
+        return None

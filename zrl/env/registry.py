@@ -6,16 +6,21 @@ Environments come from three places, in this order of precedence:
    loaded lazily, the first time a name is looked up or listed;
 3. a `module:Class` reference written directly in a recipe.
 Registering a name twice raises; looking up an unknown name raises and lists the valid names.
+An entry point that cannot be loaded (its module is missing or raises at import, or lacks the class)
+is skipped with a one-line warning naming it: one broken package must not hide every other environment.
 A factory may declare `description` (else the first docstring line) and `reward_type`
 ("binary" | "continuous"), which the recipe checks against its advantage estimator.
 """
 
 import importlib
+import logging
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
 ENTRY_POINT_GROUP = "zrl.environments"
+
+log = logging.getLogger("zrl")
 
 
 class UnknownEnvironmentError(LookupError):
@@ -47,6 +52,9 @@ def load_reference(reference: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise UnknownEnvironmentError(f"{reference!r}: cannot import {module_name!r} ({exc})") from None
+    except Exception as exc:  # a plugin's module may raise anything at import; it is the user's code
+        raise UnknownEnvironmentError(
+            f"{reference!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from None
     target = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -89,7 +97,12 @@ class Registry:
             if ep.name in self._entries:
                 raise ValueError(f"environment {ep.name!r} is provided twice (entry point {ep.value!r})")
             dist = ep.dist.name if ep.dist else "?"
-            self._entries[ep.name] = EnvironmentInfo(ep.name, load_reference(ep.value), f"entry point {dist}")
+            try:
+                factory = load_reference(ep.value)
+            except UnknownEnvironmentError as exc:
+                log.warning("skipping environment %r (entry point of %s): %s", ep.name, dist, exc)
+                continue
+            self._entries[ep.name] = EnvironmentInfo(ep.name, factory, f"entry point {dist}")
 
 
 registry = Registry()

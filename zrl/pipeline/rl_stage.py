@@ -20,8 +20,22 @@ Every value the driver does fetch goes through `_fetch`, which counts rollout-ar
 Weight sync (zrl.pipeline.weight_sync): over a collective group formed at the first sync (trainer rank
 0 + every rollout worker; loopback on one machine), or through the object store when
 `sync_transport: object_store` or when the group cannot be formed (logged once, with the reason).
-A restarted rollout worker gets its prompt stream back (the state of its last round) and every worker
-is synced again; a failed sync is retried the same way.
+Faults (zrl/pipeline/faults.py for the stop reasons):
+- A rollout worker that dies is restarted by Ray (up to `max_worker_restarts` times, then the stage
+  stops). The groups in its engine are lost and counted; their prompts are not drawn again. The new
+  worker continues its prompt stream from its last reported round (the prompts drawn in the round
+  that died are drawn again: they never made a group), and every worker is synced again. The
+  buffer's prompt ledger drops any group whose stream place was received before, so no place is
+  trained twice; the ledger is reported at the end of the stage and checked against the worker
+  positions on resume.
+- A failed sync is retried the same way (MAX_FAILED_SYNCS in a row stop the stage).
+- A trainer rank that fails (its call raised, or its process died) raises TrainerFailed naming the
+  rank: the run restarts the trainer pool from the latest checkpoint (zrl/run.py).
+- A verifier call is timed by the verifier itself per response (zrl/pipeline/verifier.py); the loop's
+  backstop times a call from when it could start on its verifier, and restarts a verifier whose
+  hung threads pile up once its queue drained.
+- `ProgressWatchdog` stops the stage when no step completes in `progress_timeout_s` or every recent
+  group was discarded; a SIGINT/SIGTERM stops it at the next step boundary after a checkpoint.
 """
 
 from __future__ import annotations
@@ -38,16 +52,20 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutErr
 from zrl.algorithms import SolveRateFrontier
 from zrl.buffer import RolloutBuffer
 from zrl.config.schema import RLStage
+from zrl.env.base import EnvironmentFault
+from zrl.pipeline.faults import (ProgressWatchdog, StageStopped, StopRequest, TrainerFailed, raise_if_stop_requested,
+                                 reason_of, trainer_results)
 from zrl.pipeline.pools import Pool, light_actor
 from zrl.pipeline.rollout_worker import GroupTicket, RolloutWorker
 from zrl.pipeline.schedule import StageSchedule
 from zrl.pipeline.stage_report import StageCounters, progress_line, step_metrics
-from zrl.pipeline.verifier import Verifier
+from zrl.pipeline.verifier import MAX_HUNG_THREADS, Verifier
 from zrl.types import Rollout, Verification, rollout_array_bytes
 
 log = logging.getLogger("zrl")
 
 NUM_VERIFIERS = 2
+RANK_FAILURE_GRACE_S = 30.0  # after one trainer rank failed, how long the others get to return or fail
 MAX_FAILED_SYNCS = 6  # failed sync calls in a row (each member's failure counts) before the stage stops
 
 
@@ -79,7 +97,7 @@ class RoundCall:
 class VerifyCall:
     ticket: GroupTicket
     verifier: int
-    started: float
+    submitted: float
     retried: bool
 
 
@@ -100,7 +118,7 @@ class ReleaseCall:
 
 @dataclass(frozen=True)
 class TrainCall:
-    refs: tuple                 # every rank's train_step (keyed by rank 0's)
+    refs: tuple                 # every rank's train_step (each is a key of the same record)
     started: float
 
 
@@ -139,12 +157,18 @@ class RLStageRunner:
         ctx.rollout_pool.actors = self.workers
         self.worker_states: list[dict] = [{} for _ in range(n)]  # from each worker's latest round
         self.lost_at_seq: list[int | None] = [None] * n           # call seq at which a worker's death was handled
+        self.deaths = [0] * n
         inherited = SolveRateFrontier()
         inherited.load_state_dict(frontier or {})
         self.buffer = light_actor(RolloutBuffer, stage.asynchrony, stage.algorithm, stage.sampling,
                                   stage_steps=stage.steps, first_version=first_version, frontier=inherited)
         self.final_frontier: dict = dict(frontier or {})  # set from the buffer when the stage closes
-        self.verifiers = [light_actor(Verifier, stage.environments, max_restarts=-1) for _ in range(NUM_VERIFIERS)]
+        self.verifiers = [light_actor(Verifier, stage.environments, a.verifier_timeout_s, max_restarts=-1)
+                          for _ in range(NUM_VERIFIERS)]
+        self.verifier_free_at = [0.0] * NUM_VERIFIERS  # when each verifier finished its last call
+        self.replacing: set[int] = set()                 # verifiers drained before a restart (hung threads)
+        self.watchdog = ProgressWatchdog(a.progress_timeout_s, a.max_discarded_batches * stage.sampling.prompts_per_batch)
+        self.last_checkpoint = resume_version              # trainer step of the stage's newest checkpoint
         self.pending: dict = {}     # object reference -> the call record above
         self.group_ready = False    # the collective sync group is formed
         self.failed_syncs = 0
@@ -158,7 +182,8 @@ class RLStageRunner:
 
     def _start_worker(self, index: int, version: int):
         ctx, pool = self.ctx, self.ctx.rollout_pool
-        actor = ray.remote(RolloutWorker).options(**pool.options(index, max_restarts=1, max_task_retries=0))
+        restarts = self.stage.asynchrony.max_worker_restarts
+        actor = ray.remote(RolloutWorker).options(**pool.options(index, max_restarts=restarts, max_task_retries=0))
         return actor.remote(index, ctx.model_path, self.stage, ctx.seed, ctx.engine_dtype, policy_version=version,
                             kernels=ctx.kernels, publish=ray.put)
 
@@ -169,16 +194,48 @@ class RLStageRunner:
         log.info("stage %r: %d RL steps from trainer step %d (%s mode, weight sync: %s)", self.stage.name,
                  s.end_version - s.policy_version, s.policy_version,
                  "synchronous" if s.synchronous else "asynchronous", self.counters.sync_transport)
+        trainer_ok = True
         try:
             self._start_sync()  # start from the trainer's weights (they differ from model_path after a stage)
+            self.watchdog.step_done()
             while not s.done:
                 self._start_work()
                 self._wait_and_handle()
                 self._expire_verifications()
                 self._heartbeat()
+                self._check_progress()
+            self._log_ledger()
+        except TrainerFailed:
+            trainer_ok = False
+            raise
         finally:
-            self._close()
+            self._close(trainer_ok)
         return s.policy_version
+
+    def _check_progress(self) -> None:
+        """Stop on a signal (at a step boundary, after a checkpoint) or when the stage cannot progress."""
+        if StopRequest.requested() and not self.schedule.training:
+            raise_if_stop_requested(self.schedule.policy_version, self._checkpoint_now)
+        reason = self.watchdog.reason()
+        if reason is not None:
+            raise StageStopped(f"stage {self.stage.name!r} stopped: {reason}; {self._counts_line()}")
+
+    def _checkpoint_now(self, step: int) -> None:
+        if self.ctx.checkpoint and step != self.last_checkpoint and step > self.schedule.end_version - self.stage.steps:
+            self.ctx.checkpoint(step, self.data_state())
+            self.last_checkpoint = step
+
+    def _log_ledger(self) -> None:
+        """The stage's exactly-once check: every received group's prompt place once, repeats dropped."""
+        counts = ray.get(self.buffer.counts.remote())
+        line = (f"stage {self.stage.name!r} prompt ledger: {counts['received']} group(s) received once, "
+                f"{counts['duplicates']} repeat(s) dropped, {self.schedule.lost_groups} lost with dead workers")
+        (log.warning if counts["duplicates"] else log.info)(line)
+
+    def _counts_line(self) -> str:
+        counts = ray.get(self.buffer.counts.remote())
+        return ("buffer: " + ", ".join(f"{k} {v}" for k, v in counts.items() if v) +
+                f"; lost groups {self.schedule.lost_groups}, worker restarts {self.schedule.worker_restarts}")
 
     def _start_work(self) -> None:
         s = self.schedule
@@ -234,6 +291,10 @@ class RLStageRunner:
         except RayActorError as exc:
             self._worker_failed(call.worker, call.seq, exc)
             return
+        except EnvironmentFault as exc:  # the prompt source (an environment plugin) failed in the round
+            raise StageStopped(f"stage {self.stage.name!r} stopped: {exc.cause}") from None
+        except RayTaskError as exc:
+            raise StageStopped(f"stage {self.stage.name!r} stopped: rollout worker {call.worker}: {reason_of(exc)}") from None
         self.schedule.round_done(call.worker, len(report.tickets), report.in_flight_groups, report.policy_version)
         self.schedule.progressed()
         self.worker_states[call.worker] = report.state
@@ -241,6 +302,7 @@ class RLStageRunner:
         c.generated_tokens += report.generated_tokens
         c.rollout_busy_s += report.busy_s
         c.skipped_long_prompts += report.skipped_long_prompts
+        self.watchdog.prompts_skipped(report.skipped_long_prompts)
         c.generated_array_bytes += report.array_bytes
         c.canary_sums.update(report.canary_sums)
         c.rollouts_generated += sum(t.num_rollouts for t in report.tickets)
@@ -248,14 +310,21 @@ class RLStageRunner:
             self._verify(ticket)
 
     def _verify(self, ticket: GroupTicket, retried: bool = False) -> None:
-        v = self._next_verifier
-        self._next_verifier = (v + 1) % len(self.verifiers)
+        usable = [v for v in range(len(self.verifiers)) if v not in self.replacing] or list(range(len(self.verifiers)))
+        v = usable[self._next_verifier % len(usable)]
+        self._next_verifier += 1
         ref = self.verifiers[v].verify_text.remote(ticket.text_ref)
         self.pending[ref] = VerifyCall(ticket, v, time.perf_counter(), retried)
 
     def _on_verified(self, call: VerifyCall, ref) -> None:
+        self.verifier_free_at[call.verifier] = time.perf_counter()
         try:
-            verifications = self._fetch(ref)
+            result = self._fetch(ref)
+            verifications = result.verifications
+            self.counters.verifier_timeouts += result.timeouts
+            if result.hung_threads >= MAX_HUNG_THREADS:
+                self._replace_verifier(call.verifier, f"{result.hung_threads} verify calls hang in it")
+            self._replace_drained_verifiers()
         except RayError as exc:
             if _group_lost(exc):  # its rollout worker died: the group's arrays died with it
                 self._group_lost(call.ticket)
@@ -266,6 +335,7 @@ class RLStageRunner:
                 self._verify(call.ticket, retried=True)
                 return
             verifications = tuple(Verification(0.0, error="verifier died") for _ in range(call.ticket.num_rollouts))
+        self.watchdog.group_verified([v.error for v in verifications if v.error])
         self._admit(call.ticket, verifications)
 
     def _admit(self, ticket: GroupTicket, verifications) -> None:
@@ -274,7 +344,7 @@ class RLStageRunner:
 
     def _on_admitted(self, call: AdmitCall, ref) -> None:
         try:
-            self._fetch(ref)
+            self.watchdog.group_admitted(self._fetch(ref).status)
         except RayError as exc:
             if not _group_lost(exc):
                 raise
@@ -287,16 +357,42 @@ class RLStageRunner:
         log.warning("group %s was lost with its rollout worker", ticket.group_id)
 
     def _expire_verifications(self) -> None:
+        """The backstop for a verify call that hangs past its own per-rollout timeouts (a verifier stuck
+        in C code holding the GIL): a verifier runs its calls one at a time in submission order, so a
+        call's own execution starts when the call before it on that verifier finished; it gets one
+        timeout per rollout plus one before the verifier is restarted. The calls queued behind it fail
+        with the restart and are verified again elsewhere (`_on_verified`)."""
         timeout = self.stage.asynchrony.verifier_timeout_s
         now = time.perf_counter()
-        for ref, call in list(self.pending.items()):
-            if isinstance(call, VerifyCall) and now - call.started > timeout:
+        running: dict[int, tuple] = {}  # verifier -> its oldest pending call (the one executing)
+        for ref, call in self.pending.items():
+            if isinstance(call, VerifyCall) and call.verifier not in running:
+                running[call.verifier] = (ref, call)
+        for v, (ref, call) in running.items():
+            limit = timeout * (call.ticket.num_rollouts + 1)
+            if now - max(call.submitted, self.verifier_free_at[v]) > limit:
                 del self.pending[ref]
                 self.counters.verifier_timeouts += 1
-                log.warning("verifier call for group %s exceeded %.0f s: reward 0, restarting the verifier",
-                            call.ticket.group_id, timeout)
-                ray.kill(self.verifiers[call.verifier], no_restart=False)
-                self._admit(call.ticket, [Verification(0.0, error=f"timeout after {timeout:g} s")] * call.ticket.num_rollouts)
+                log.warning("verifier %d spent over %.0f s on group %s: reward 0, restarting the verifier", v, limit,
+                            call.ticket.group_id)
+                self._replace_verifier(v, "a verify call hung", now=True)
+                self.verifier_free_at[v] = now
+                self._admit(call.ticket, [Verification(0.0, error=f"timeout after {limit:g} s")] * call.ticket.num_rollouts)
+
+    def _replace_verifier(self, v: int, why: str, now: bool = False) -> None:
+        """Restart verifier `v` (Ray restarts it, max_restarts=-1): at once, or once its queue drained."""
+        if now:
+            log.warning("restarting verifier %d: %s", v, why)
+            ray.kill(self.verifiers[v], no_restart=False)
+            self.replacing.discard(v)
+        elif v not in self.replacing:
+            log.warning("verifier %d will be restarted when its queue drains: %s", v, why)
+            self.replacing.add(v)
+
+    def _replace_drained_verifiers(self) -> None:
+        busy = {call.verifier for call in self.pending.values() if isinstance(call, VerifyCall)}
+        for v in list(self.replacing - busy):
+            self._replace_verifier(v, "its queue drained", now=True)
 
     # ------------------------------------------------------------------ training
 
@@ -306,20 +402,28 @@ class RLStageRunner:
         if ticket is None:
             return
         refs = tuple(rank.train_step.remote(share) for rank, share in zip(self.ctx.ranks, call.shares))
-        self.pending[refs[0]] = TrainCall(refs, time.perf_counter())
+        train = TrainCall(refs, time.perf_counter())
+        for ref in refs:  # every rank's: a rank that fails is noticed while the others hang in a collective
+            self.pending[ref] = train
 
     def _on_trained(self, call: TrainCall, ref) -> None:
-        metrics = [self._fetch(r) for r in call.refs][0]  # the ranks finish together (collectives)
+        what = f"step {self.schedule.policy_version + 1}"
+        if _errors([ref]):  # the other ranks cannot finish the step: give them a moment to fail too
+            trainer_results(call.refs, what, self._fetch, timeout_s=RANK_FAILURE_GRACE_S)
+        if any(r in self.pending for r in call.refs):
+            return  # the step ends when every rank has returned
+        metrics = trainer_results(call.refs, what, self._fetch)[0]
         self.counters.train_busy_s += time.perf_counter() - call.started
         s = self.schedule
         sync_due = s.step_done()
+        self.watchdog.step_done()
         self.pending[self.buffer.set_trainer_step.remote(s.policy_version)] = CheckedCall("buffer.set_trainer_step")
         if sync_due:
             self._start_sync()
         self._report(metrics)
         step = s.policy_version
-        if self.ctx.checkpoint and (step % self.stage.checkpoint_every_steps == 0 or s.done):
-            self.ctx.checkpoint(step, self.data_state())
+        if step % self.stage.checkpoint_every_steps == 0 or s.done:
+            self._checkpoint_now(step)
 
     def _on_checked(self, call: CheckedCall, ref) -> None:
         self._fetch(ref)
@@ -356,7 +460,7 @@ class RLStageRunner:
             ray.get(joins, timeout=a.sync_timeout_s)
         except (RayError, GetTimeoutError) as exc:
             log.warning("weight sync: the collective group could not be formed (%s); syncing through Ray's "
-                        "object store for the rest of the stage", _reason(exc))
+                        "object store for the rest of the stage", reason_of(exc))
             self.counters.sync_transport = "object_store"
             ray.wait(joins[:1], timeout=a.sync_timeout_s)  # rank 0 leaves its join (it times out) first
             return
@@ -370,6 +474,8 @@ class RLStageRunner:
         try:
             sent = [self._fetch(r) for r in refs]
         except RayError as exc:
+            if any(isinstance(e, RayActorError) for e in _errors(call.refs)):  # a rank died: TrainerFailed
+                trainer_results(call.refs, "a weight sync", self._fetch, timeout_s=RANK_FAILURE_GRACE_S)
             self._sync_failed("the trainer side", exc)
             self.schedule.trainer_synced(ok=False)
             return
@@ -403,21 +509,26 @@ class RLStageRunner:
         """Log a failed sync; after MAX_FAILED_SYNCS in a row (a cause that will not go away), stop."""
         self.group_ready = False
         self.failed_syncs += 1
-        reason = _reason(exc)
+        reason = reason_of(exc)
         if self.failed_syncs >= MAX_FAILED_SYNCS:
-            raise RuntimeError(f"weight sync failed {self.failed_syncs} times in a row, last on {where}: {reason}") from exc
+            raise StageStopped(f"stage {self.stage.name!r} stopped: weight sync failed {self.failed_syncs} times in a "
+                               f"row, last on {where}: {reason}") from None
         log.warning("weight sync failed on %s (%s); syncing every worker again", where, reason)
 
     def _worker_failed(self, w: int, seq: int, exc: RayActorError) -> None:
         lost_at = self.lost_at_seq[w]
         if lost_at is not None and seq < lost_at:
             return  # a call that failed with the same death, already handled
-        if lost_at is not None and isinstance(exc, ActorDiedError):
-            raise RuntimeError(f"rollout worker {w} died again after a restart; giving up on the stage") from exc
+        self.deaths[w] += 1
+        limit = self.stage.asynchrony.max_worker_restarts
+        if self.deaths[w] > limit:
+            raise StageStopped(f"stage {self.stage.name!r} stopped: rollout worker {w} died {self.deaths[w]} times "
+                               f"(asynchrony.max_worker_restarts {limit}); last: {reason_of(exc)}") from None
         lost = self.schedule.worker_lost(w)
         self.lost_at_seq[w] = self._next_seq()
-        log.warning("rollout worker %d died; %d in-flight group(s) lost; Ray restarts it, it continues its prompt "
-                    "stream and every worker is synced again", w, lost)
+        log.warning("rollout worker %d died (%d of %d restarts); %d group(s) in its engine lost, their prompts are "
+                    "not drawn again; Ray restarts it, it continues its prompt stream after its last reported round "
+                    "and every worker is synced again", w, self.deaths[w], limit, lost)
         self._await_restart(w)
         if self.worker_states[w]:  # the restarted worker continues its prompt stream, not from draw 0
             ray.get(self.workers[w].load_state_dict.remote(self.worker_states[w]))
@@ -430,10 +541,13 @@ class RLStageRunner:
             try:
                 ray.get(self.workers[w].state_dict.remote())
                 return
+            except ActorDiedError as exc:
+                raise StageStopped(f"stage {self.stage.name!r} stopped: rollout worker {w} could not be restarted: "
+                                   f"{reason_of(exc)}") from None
             except ActorUnavailableError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"rollout worker {w} did not come back within "
-                                       f"{self.stage.asynchrony.sync_timeout_s:g} s of its restart") from None
+                    raise StageStopped(f"stage {self.stage.name!r} stopped: rollout worker {w} did not come back "
+                                       f"within {self.stage.asynchrony.sync_timeout_s:g} s of its restart") from None
                 time.sleep(1.0)
 
     # ------------------------------------------------------------------ reporting and state
@@ -455,9 +569,10 @@ class RLStageRunner:
             return
         self._last_heartbeat = now
         counts = ray.get(self.buffer.counts.remote())
-        log.info("waiting for step %d: %s | in flight %d group(s) | %s", self.schedule.policy_version + 1,
+        log.info("waiting for step %d: %s | in flight %d group(s) | skipped %d prompt(s) longer than "
+                 "max_prompt_tokens | %s", self.schedule.policy_version + 1,
                  ", ".join(f"{k} {v}" for k, v in counts.items()), self.schedule.in_flight_groups(),
-                 "training" if self.schedule.training else "buffer not ready")
+                 self.counters.skipped_long_prompts, "training" if self.schedule.training else "buffer not ready")
 
     def data_state(self) -> dict:
         """Buffer state and each worker's state as of its last round (asking a worker now could block on
@@ -479,17 +594,24 @@ class RLStageRunner:
                         len(self.workers))
         ray.get([w.load_state_dict.remote(s) for w, s in zip(self.workers, saved) if s])
         self.worker_states[:len(saved)] = saved[:len(self.workers)]
+        positions = {w: s["prompt_source"]["draws"] for w, s in enumerate(self.worker_states) if s}
+        ahead = ray.get(self.buffer.ledger_ahead_of.remote(positions))
+        if ahead:
+            log.warning("stage %r: %d prompt place(s) of the ledger lie past the restored worker positions; they will "
+                        "be drawn again and dropped as repeats", self.stage.name, ahead)
         log.info("stage %r: resumed at trainer step %d (buffer counters and %d worker prompt position(s) "
                  "restored)", self.stage.name, self.schedule.policy_version, min(len(saved), len(self.workers)))
 
-    def _close(self) -> None:
-        # Collectives first: ranks must finish a step or a sync before anything else runs on them.
-        for call in list(self.pending.values()):
+    def _close(self, trainer_ok: bool = True) -> None:
+        # Collectives first: ranks must finish a step or a sync before anything else runs on them
+        # (not after a trainer failure: the pool is torn down, the surviving ranks may wait forever).
+        for call in list(self.pending.values()) if trainer_ok else []:
             if isinstance(call, (TrainCall, TrainerSyncCall)):
                 ray.get(list(call.refs[1:]) if isinstance(call, TrainerSyncCall) and call.transport != "collective"
                         else list(call.refs))
         self.pending.clear()
-        ray.get(self.ctx.ranks[0].close_sync.remote())
+        if trainer_ok:
+            ray.get(self.ctx.ranks[0].close_sync.remote())
         self.final_frontier = ray.get(self.buffer.state_dict.remote())["frontier"]
         # In-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) leave no shared-memory segments behind:
         # killing the actor process releases everything it held.
@@ -498,11 +620,16 @@ class RLStageRunner:
         self.ctx.rollout_pool.actors = []
 
 
-def _reason(exc: Exception) -> str:
-    """One line saying why a Ray call failed: the remote exception, not Ray's wrapper."""
-    cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else None
-    text = repr(cause) if cause is not None else str(exc) or type(exc).__name__
-    return text.splitlines()[0][:300]
+def _errors(refs) -> list[RayError]:
+    """The errors of finished calls among `refs` (unfinished ones are not waited for)."""
+    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0, fetch_local=False)
+    errors = []
+    for ref in done:
+        try:
+            ray.get(ref)
+        except RayError as exc:
+            errors.append(exc)
+    return errors
 
 
 def _group_lost(exc: RayError) -> bool:

@@ -19,7 +19,8 @@ takes one streamed sync and loads it in place as it arrives (zrl.pipeline.weight
 `update_weights` is the fallback that loads a whole state dict (or a reference to one).
 
 Invariants: a group is reported once, complete (all G samples); prompts longer than
-`max_prompt_tokens` are skipped and counted, never truncated.
+`max_prompt_tokens` are skipped and counted, never truncated; a group's id is its place in the prompt
+stream (`stream_group_id`).
 """
 
 import time
@@ -35,7 +36,7 @@ from zrl.config.schema import RLStage
 from zrl.moepp.config import MoEPPConfig
 from zrl.pipeline.weight_sync import HostPeakMemory, SyncAddress, SyncGroup, drain
 from zrl.prompts import PromptSource
-from zrl.types import Prompt, Rollout, rollout_array_bytes
+from zrl.types import Prompt, Rollout, rollout_array_bytes, stream_group_id
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class SyncReceived:
 
 @dataclass
 class _Open:
+    group_id: str
     prompt: Prompt
     samples: list = field(default_factory=list)
 
@@ -215,7 +217,8 @@ class RolloutWorker:
     def _submit(self, n: int) -> int:
         skipped = 0
         tokenizer = self.engine.tokenizer
-        for prompt in self.source.next_prompts(n) if n > 0 else []:
+        draw = self.source.draws
+        for position, prompt in enumerate(self.source.next_prompts(n) if n > 0 else []):
             text = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=False)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > self.max_prompt_tokens:
@@ -223,15 +226,14 @@ class RolloutWorker:
                 continue
             seed = int(self._rng.integers(2**31))
             group = self.engine.submit(ids, self.group_size, self.sampling, seed=seed)
-            self._open[group] = _Open(prompt)
+            self._open[group] = _Open(stream_group_id(self.worker_index, draw, position, prompt.prompt_id), prompt)
         return skipped
 
     def _close(self, engine_group: int) -> GeneratedGroup:
         group = self._open.pop(engine_group)
         samples = sorted(group.samples, key=lambda s: s.sample_index)
         rollouts = tuple(_to_rollout(s.output) for s in samples)
-        return GeneratedGroup(group_id=f"w{self.worker_index}-{group.prompt.prompt_id}-{engine_group}",
-                              prompt=group.prompt, rollouts=rollouts)
+        return GeneratedGroup(group_id=group.group_id, prompt=group.prompt, rollouts=rollouts)
 
     def _in_flight_tokens(self) -> int:
         return sum(self.engine.in_flight().values())

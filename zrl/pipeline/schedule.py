@@ -15,7 +15,8 @@ Decisions (the buffer keeps its own: admission credit, staleness, capacity, read
 - Weight sync. After every `sync_every_steps`-th step except the stage's last, every worker gets the
   new weights (`step_done` says when). A worker that died and was restarted by Ray holds unknown
   weights: every worker is synced again at once (a sync is one collective over all of them).
-- Faults. The groups in a dead worker's engine are lost (counted); a worker may be restarted once.
+- Faults. The groups in a dead worker's engine are lost (counted); Ray restarts the worker (the loop
+  bounds how often).
 - Quiet. An answer that starts nothing (no credit, no batch) is not asked again until something
   progressed (`progressed`: a round, an admission, a step, a sync, a fault). This never stalls: while
   the trainer waits at a step, the buffer's credit covers `min_ready_batches`, so "no credit and no

@@ -16,6 +16,8 @@ import numpy as np
 import ray
 
 from zrl.config.schema import SFTStage
+from zrl.env.base import EnvironmentFault
+from zrl.pipeline.faults import StageStopped, raise_if_stop_requested, trainer_results
 from zrl.prompts import PromptSource
 
 log = logging.getLogger("zrl")
@@ -57,17 +59,24 @@ def run_sft_stage(stage: SFTStage, ranks: list, tokenizer, seed: int, first_vers
         step = resume_step
     log.info("stage %r: %d SFT steps from trainer step %d", stage.name, end - step, step)
     while step < end:
-        examples, skipped = build_examples(source, tokenizer, stage.examples_per_step, stage.max_sequence_tokens)
+        try:
+            examples, skipped = build_examples(source, tokenizer, stage.examples_per_step, stage.max_sequence_tokens)
+        except EnvironmentFault as exc:
+            raise StageStopped(f"stage {stage.name!r} stopped: {exc}") from None
         if not examples:
             raise ValueError(f"stage {stage.name!r}: every example exceeds max_sequence_tokens="
                              f"{stage.max_sequence_tokens}")
         ref = ray.put(examples)
-        metrics = ray.get([rank.sft_step.remote(ref) for rank in ranks])[0]
+        metrics = trainer_results([rank.sft_step.remote(ref) for rank in ranks], f"SFT step {step + 1}", ray.get,
+                                  timeout_s=None)[0]
         step += 1
         metrics["sft/skipped_long_examples"] = float(skipped)
         log_metrics(step, metrics)
         log.info("step %d/%d | sft loss %.4f | %d examples | %.0f tok/s", step, end, metrics.get("loss/sft", float("nan")),
                  len(examples), metrics.get("perf/tokens_per_s", 0.0))
-        if checkpoint and (step % stage.checkpoint_every_steps == 0 or step == end):
-            checkpoint(step, {"stage": stage.name, "prompt_source": source.state_dict()})
+        save = (lambda at: checkpoint(at, {"stage": stage.name, "prompt_source": source.state_dict()})) if checkpoint else None
+        if save and (step % stage.checkpoint_every_steps == 0 or step == end):
+            save(step)
+            save = None  # saved at this step already
+        raise_if_stop_requested(step, save)
     return step

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from zrl.pipeline.weight_sync import HostPeakMemory, SyncAddress, SyncGroup, SyncHeader, TensorSpec, bucket_layout
+from zrl.pipeline.weight_sync import (HostPeakMemory, SyncAddress, SyncGroup, SyncHeader, TensorSpec, bucket_layout,
+                                      drain)
 from zrl.trainer.settings import DTYPES
 from zrl.types import RankShare
 
@@ -105,11 +106,13 @@ class TrainerRank:
                 specs = [TensorSpec(name, shape, str(t).removeprefix("torch."))
                          for name, shape, t in weight_specs(model, DTYPES[dtype])]
                 header = SyncHeader(version, bucket_layout(specs, bucket_bytes))
-                sent = self._sync_group.send(header, tensors)
+                try:
+                    sent = self._sync_group.send(header, tensors)
+                finally:  # a broken group (a receiver died) must not leave the other ranks in a gather
+                    drain(tensors)
             else:
                 sent = 0
-            for _ in tensors:  # the gathers left (all of them on ranks > 0) are collective
-                pass
+                drain(tensors)  # every gather is collective: ranks > 0 take part in all of them
         return SyncSent(version, time.perf_counter() - start, sent, memory.peak_extra_bytes)
 
     def export_state(self, dtype: str) -> dict[str, torch.Tensor] | None:

@@ -225,11 +225,14 @@ class HostPeakMemory:
     """Peak resident memory of this process above its level at entry, over a `with` block (Linux).
 
     Resets the kernel's high-water mark (writing 5 to /proc/self/clear_refs) on entry and reads it
-    (VmHWM) on exit; `peak_extra_bytes` is -1 where the kernel does not offer this.
+    (VmHWM) on exit; `peak_extra_bytes` is -1 where the kernel does not offer this. Freed heap memory
+    is returned to the OS first: otherwise how much of the block's allocations reuse memory the heap
+    still held at entry (invisible to VmRSS) varies from call to call, and so would the peak.
     """
 
     def __enter__(self) -> "HostPeakMemory":
         self.peak_extra_bytes = -1
+        release_host_memory()
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")

@@ -66,6 +66,6 @@ def max_abs_diff(a, b) -> float:
     """Largest |logprob difference| of two `ProbeWorker.sample` results that sampled the same tokens."""
     worst = 0.0
     for (tokens_a, lp_a), (tokens_b, lp_b) in zip(a, b, strict=True):
-        assert tokens_a == tokens_b, "the engines sampled different tokens"
+        assert tokens_a == tokens_b, f"the engines sampled different tokens: {tokens_a} vs {tokens_b}"
         worst = max(worst, float(np.max(np.abs(np.asarray(lp_a) - np.asarray(lp_b)), initial=0.0)))
     return worst

@@ -329,8 +329,6 @@ def test_queue_limit_is_capped_by_capacity():
 def test_bad_calls_raise_clear_errors():
     buf = make_buffer()
     buf.admit(make_group("g", [1, 0, 0, 0]))
-    with pytest.raises(ValueError, match="already in the buffer"):
-        buf.admit(make_group("g", [1, 0, 0, 0]))
     with pytest.raises(ValueError, match="already scored"):
         buf.admit(buf.buffered()[0])
     buf.set_trainer_step(2)
@@ -380,6 +378,27 @@ def test_state_dict_round_trip_drops_buffered_groups_and_keeps_conservation():
     assert fresh.frontier.p_star("arith") == pytest.approx(max(3 / 8, 4 / 8))
     with pytest.raises(ValueError, match="state version"):
         fresh.load_state_dict({**state, "version": 99})
+
+
+def test_the_prompt_ledger_drops_a_repeated_group_before_scoring_and_survives_resume():
+    buf = make_buffer(batch=2, ready=1)
+    assert buf.admit(make_group("w0-d0.0-a", [1, 0, 0, 0])).status == "buffered"
+    assert buf.admit(make_group("w0-d0.1-b", [1, 1, 1, 1])).status == "dropped_zero_signal"
+    # the same stream places again (a worker that drew them twice): neither is scored nor buffered
+    assert buf.admit(make_group("w0-d0.0-a", [0, 1, 0, 0])).status == "duplicate"
+    assert buf.admit(make_group("w0-d0.1-b", [0, 1, 0, 0])).status == "duplicate"
+    m = buf.metrics()
+    assert (m["ledger/prompts"], m["ledger/duplicates"], m["buffer/received"], m["buffer/admitted"]) == (2, 2, 2, 1)
+    assert buf.num_buffered == 1
+    assert_conservation(buf)
+    state = json.loads(json.dumps(buf.state_dict()))
+    assert state["ledger"] == ["w0-d0.0-a", "w0-d0.1-b"]
+    fresh = make_buffer(batch=2, ready=1)
+    fresh.load_state_dict(state)
+    assert fresh.admit(make_group("w0-d0.1-b", [0, 1, 0, 0])).status == "duplicate"
+    assert fresh.admit(make_group("w0-d1.0-c", [0, 1, 0, 0])).status == "buffered"
+    with pytest.raises(ValueError, match="ledger holds 1 ids but 2 groups"):
+        fresh.load_state_dict({**state, "ledger": ["w0-d0.0-a"]})
 
 
 def test_from_stage_uses_the_recipe_parts():

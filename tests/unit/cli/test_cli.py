@@ -64,8 +64,8 @@ def test_validate_prints_resolved_recipe_and_availability(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "steps: 5" in result.stdout and "group_size: 16" in result.stdout
     assert "# schema: OK (1 stages)" in result.stdout
-    assert "stages.s.environments.no_such_env: unknown environment 'no_such_env'; valid names: arithmetic" in result.stdout
-    assert "model.path: m has no config.json" in result.stdout
+    assert "stages[0].environments[0].name: unknown environment 'no_such_env'; valid names: arithmetic" in result.stdout
+    assert "model.path: m is not a zaya checkpoint directory" in result.stdout
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")))
@@ -77,8 +77,12 @@ def test_every_shipped_recipe_validates(recipe):
 
 def test_run_refuses_a_missing_model_before_starting_anything(tmp_path):
     result = zrl("run", write(tmp_path, GOOD))
-    assert result.returncode == 3 and "model.path: m has no config.json" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [
+        f"zrl: error: {tmp_path / 'r.yaml'}: model.path: m is not a zaya checkpoint directory (config.json and "
+        "*.safetensors) and build_tiny_if_missing is false",
+        f"zrl: error: {tmp_path / 'r.yaml'}: stages[0].environments[0].name: unknown environment 'no_such_env'; "
+        "valid names: arithmetic, math, reasoning_gym, strings (or use a `module:Class` reference)"]
 
 
 def test_envs_lists_entry_points_or_says_none():

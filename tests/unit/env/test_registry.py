@@ -1,5 +1,6 @@
 """Environment registry: explicit registration, entry-point discovery, module:Class references."""
 
+import logging
 import sys
 import textwrap
 
@@ -64,3 +65,35 @@ def test_entry_point_of_a_third_party_package(tmp_path, monkeypatch):
     info = reg.get("palindromes")
     assert info.description == "Is the word a palindrome?" and info.source == "entry point thirdparty-env"
     sys.modules.pop("thirdparty_env", None)
+
+
+def test_a_broken_entry_point_is_skipped_with_a_warning_and_the_others_stay(tmp_path, monkeypatch, caplog):
+    """One broken third-party package (its module raises at import, or names a missing class) must not
+    hide the environments of every other package."""
+    (tmp_path / "good_env.py").write_text("class Good:\n    reward_type = 'binary'\n")
+    (tmp_path / "broken_env.py").write_text("raise RuntimeError('half-installed')\n")
+    dist = tmp_path / "mixed_envs-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mixed-envs\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[zrl.test.broken]\ngood = good_env:Good\nbroken = broken_env:Env\nmissing = good_env:Nope\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry(group="zrl.test.broken")
+    with caplog.at_level(logging.WARNING, logger="zrl"):
+        assert reg.names() == ["good"]
+    warnings = sorted(r.getMessage() for r in caplog.records)
+    assert len(warnings) == 2
+    assert warnings[0].startswith("skipping environment 'broken' (entry point of mixed-envs): ")
+    assert "raised RuntimeError: half-installed" in warnings[0]
+    assert warnings[1].startswith("skipping environment 'missing' (entry point of mixed-envs): ")
+    assert "has no attribute 'Nope'" in warnings[1]
+    with pytest.raises(UnknownEnvironmentError, match="unknown environment 'broken'; valid names: good"):
+        reg.get("broken")
+    sys.modules.pop("good_env", None)
+
+
+def test_a_reference_whose_module_raises_at_import_is_an_unknown_environment(tmp_path, monkeypatch):
+    (tmp_path / "raising_env.py").write_text("import json\njson.loads('{')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UnknownEnvironmentError, match="importing 'raising_env' raised JSONDecodeError"):
+        registry.get("raising_env:Env")

@@ -1,0 +1,235 @@
+"""Checks of a validated recipe against this machine that need no Ray: what `zrl validate` reports and
+`zrl run` makes before it starts anything.
+
+A finding is `(field, reason)`: the recipe field it concerns (`model.path`, `stages[1].sampling...`,
+the same paths schema errors use) and one line saying what is wrong. Two kinds:
+- a *problem* would fail the run: an output_dir that cannot be created or written; a model directory
+  whose config.json is unreadable or not a zaya config; lengths beyond the model's context
+  (`max_position_embeddings`, or the tiny model's when the run builds it); an environment reference
+  (`module:Class`) that cannot be imported or is not an `Environment`; options its constructor rejects;
+  a `sample` that raises or does not return the prompts asked for; an sft environment without
+  demonstrations, or whose demonstrations alone exceed `max_sequence_tokens`; a maxrl stage on
+  continuous rewards.
+- a *missing* item is named by the recipe but absent here: an environment name nobody registered, or a
+  model directory that does not exist (and is not built). A recipe is validated where its environments
+  need not be installed, so `zrl validate` only notes these; `zrl run` refuses them.
+
+Every environment of every stage is built with its options and asked for `SAMPLE_SIZE` prompts with
+seed `SAMPLE_SEED` (sft stages also for their demonstrations), exactly as the run's prompt source would
+call it, so a broken plugin fails here instead of minutes into a run. The demonstration length is
+measured with the tokenizer's `tokenizer.json` alone (the `tokenizers` library, no transformers import):
+a demonstration that does not fit by itself leaves no room for the prompt the chat template adds.
+"""
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zrl.config.schema import Recipe, RLStage, SFTStage
+
+SAMPLE_SIZE = 2
+SAMPLE_SEED = 0
+
+Finding = tuple[str, str]
+
+
+@dataclass
+class Findings:
+    problems: list[Finding] = field(default_factory=list)
+    missing: list[Finding] = field(default_factory=list)
+
+
+def check(recipe: Recipe) -> Findings:
+    """Every problem and missing item of `recipe` on this machine (see the module docstring)."""
+    findings = Findings()
+    findings.problems += _output_dir(Path(recipe.output_dir))
+    context = _model(recipe, findings)
+    tokenizer = _Tokenizer(recipe)
+    for i, stage in enumerate(recipe.stages):
+        findings.problems += _context(stage, f"stages[{i}]", context)
+        _environments(stage, f"stages[{i}]", tokenizer, findings)
+    findings.problems += tokenizer.problems
+    return findings
+
+
+def _output_dir(out: Path) -> list[Finding]:
+    if out.exists():
+        if not out.is_dir():
+            return [("output_dir", f"{out} exists and is not a directory")]
+        existing = out
+    else:
+        existing = next(p for p in out.absolute().parents if p.exists())
+        if not existing.is_dir():
+            return [("output_dir", f"{out} cannot be created: {existing} is not a directory")]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [("output_dir", f"{out} cannot be written: {existing} is not writable")]
+    return []
+
+
+@dataclass(frozen=True)
+class _Context:
+    tokens: int
+    source: str  # where the number comes from, for the message
+
+
+def _model(recipe: Recipe, findings: Findings) -> _Context | None:
+    """The model's context length when known; records problems and missing items of `model.path`."""
+    from zrl.assets import TINY_MODEL_CONFIG, is_checkpoint_dir
+
+    path = Path(recipe.model.path)
+    config = path / "config.json"
+    if is_checkpoint_dir(path):
+        return _model_config(config, findings)
+    if recipe.model.build_tiny_if_missing:
+        if path.exists() and not path.is_dir():
+            findings.problems.append(("model.path", f"{path} exists and is not a directory (build_tiny_if_missing "
+                                                    "would build the tiny model there)"))
+            return None
+        return _Context(TINY_MODEL_CONFIG["max_position_embeddings"], "the tiny model build_tiny_if_missing builds")
+    findings.missing.append(("model.path", f"{path} is not a zaya checkpoint directory (config.json and "
+                                           "*.safetensors) and build_tiny_if_missing is false"))
+    # A config.json without weights is still checked: a wrong one is worth knowing before the weights arrive.
+    return _model_config(config, findings) if config.is_file() else None
+
+
+def _model_config(config: Path, findings: Findings) -> _Context | None:
+    from zrl.moepp.config import ConfigError, MoEPPConfig
+
+    try:
+        raw = json.loads(config.read_bytes())
+    except OSError as exc:
+        findings.problems.append(("model.path", f"{config}: cannot read: {exc.strerror}"))
+        return None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        findings.problems.append(("model.path", f"{config}: not valid JSON: {exc}"))
+        return None
+    if not isinstance(raw, dict):
+        findings.problems.append(("model.path", f"{config}: expected a JSON object, got {type(raw).__name__}"))
+        return None
+    try:
+        MoEPPConfig.from_hf_dict(raw)
+    except (ConfigError, TypeError, ValueError) as exc:
+        findings.problems.append(("model.path", f"{config}: not a supported zaya config: {exc}"))
+        return None
+    tokens = raw.get("max_position_embeddings")
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+        return _Context(tokens, f"max_position_embeddings in {config}")
+    return None
+
+
+def _context(stage, where: str, context: _Context | None) -> list[Finding]:
+    if context is None:
+        return []
+    if isinstance(stage, RLStage):
+        total = stage.sampling.max_prompt_tokens + stage.sampling.max_response_tokens
+        if total > context.tokens:
+            return [(f"{where}.sampling.max_response_tokens",
+                     f"max_prompt_tokens + max_response_tokens = {total} exceeds the model's context of "
+                     f"{context.tokens} tokens ({context.source})")]
+    elif isinstance(stage, SFTStage) and stage.max_sequence_tokens > context.tokens:
+        return [(f"{where}.max_sequence_tokens", f"{stage.max_sequence_tokens} exceeds the model's context of "
+                                                 f"{context.tokens} tokens ({context.source})")]
+    return []
+
+
+class _Tokenizer:
+    """The recipe's tokenizer, loaded on first use from `tokenizer.json` when the files exist."""
+
+    def __init__(self, recipe: Recipe):
+        self.field = "model.tokenizer_path" if recipe.model.tokenizer_path else "model.path"
+        self.file = Path(recipe.model.tokenizer_path or recipe.model.path) / "tokenizer.json"
+        self.problems: list[Finding] = []
+        self._loaded = False
+        self._tokenizer = None
+
+    def count(self, text: str) -> int | None:
+        """Tokens of `text` (no special tokens added), or None when there is no usable tokenizer here."""
+        if not self._loaded:
+            self._loaded = True
+            if self.file.is_file():
+                from tokenizers import Tokenizer
+
+                try:
+                    self._tokenizer = Tokenizer.from_file(str(self.file))
+                except Exception as exc:  # the tokenizers library raises its own exception type
+                    self.problems.append((self.field, f"{self.file}: cannot load the tokenizer: {exc}"))
+        if self._tokenizer is None:
+            return None
+        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _environments(stage, where: str, tokenizer: _Tokenizer, findings: Findings) -> None:
+    keys = []
+    for j, spec in enumerate(stage.environments):
+        entry = f"{where}.environments[{j}]"
+        env = _build(spec, entry, findings)
+        if env is None:
+            continue
+        keys.append(spec.key or env.name)
+        prompts = _sample(env, spec, entry, findings)
+        if prompts is None:
+            continue
+        if isinstance(stage, RLStage) and stage.algorithm.advantage == "maxrl" \
+                and (spec.reward_type or env.reward_type) == "continuous":
+            findings.problems.append((entry, f"{spec.name!r} has continuous rewards but the stage uses maxrl "
+                                             "(binary rewards only; use grpo or drgrpo)"))
+        if isinstance(stage, SFTStage):
+            _demonstrations(stage, where, env, spec, entry, prompts, tokenizer, findings)
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:  # the schema catches repeated names; this catches `module:Class` entries of one class
+        findings.problems.append((f"{where}.environments", f"{repeated} are listed more than once; give each entry "
+                                                           "a distinct `key`"))
+
+
+def _build(spec, entry: str, findings: Findings):
+    """The entry's environment built as the run builds it (zrl.prompts), or None after a finding."""
+    from zrl.env import UnknownEnvironmentError
+    from zrl.prompts import build_environment
+
+    try:
+        return build_environment(spec)
+    except UnknownEnvironmentError as exc:
+        # A registered name may be installed elsewhere; a `module:Class` the recipe points at must import.
+        (findings.problems if ":" in spec.name else findings.missing).append((f"{entry}.name", str(exc)))
+    except ValueError as exc:
+        findings.problems.append((f"{entry}.options", str(exc)))
+    except TypeError as exc:
+        findings.problems.append((f"{entry}.name", str(exc)))
+    return None
+
+
+def _sample(env, spec, entry: str, findings: Findings):
+    """SAMPLE_SIZE prompts drawn as the run draws them (zrl.prompts), or None after a finding."""
+    from zrl.env.base import EnvironmentFault
+    from zrl.prompts import checked_sample
+
+    try:
+        return checked_sample(env, spec.key or env.name, SAMPLE_SIZE, SAMPLE_SEED)
+    except EnvironmentFault as exc:
+        findings.problems.append((entry, str(exc)))
+        return None
+
+
+def _demonstrations(stage: SFTStage, where: str, env, spec, entry: str, prompts, tokenizer: _Tokenizer,
+                    findings: Findings) -> None:
+    lengths = []
+    for prompt in prompts:
+        try:
+            demo = env.demonstration(prompt)
+        except Exception as exc:  # a plugin's demonstration may raise anything
+            findings.problems.append((entry, f"{spec.name!r}: demonstration() raised {type(exc).__name__}: {exc}"))
+            return
+        if demo is None:
+            findings.problems.append((entry, f"{spec.name!r} has no demonstrations (demonstration() returned None): "
+                                             "it cannot feed an sft stage"))
+            return
+        if not isinstance(demo, str):
+            findings.problems.append((entry, f"{spec.name!r}: demonstration() returned a {type(demo).__name__}, "
+                                             "not a str"))
+            return
+        lengths.append(tokenizer.count(demo))
+    if lengths and None not in lengths and min(lengths) >= stage.max_sequence_tokens:
+        findings.problems.append((f"{where}.max_sequence_tokens", f"{stage.max_sequence_tokens} leaves no room for "
+                                  f"the prompt: {spec.name!r}'s sampled demonstrations alone take at least "
+                                  f"{min(lengths)} tokens, so every example would be skipped"))
