@@ -32,22 +32,20 @@ Faults (zrl/pipeline/faults.py for the stop reasons):
 - A trainer rank that fails (its call raised, or its process died) raises TrainerFailed naming the
   rank: the run restarts the trainer pool from the latest checkpoint (zrl/run.py).
 - A verifier call is timed by the verifier itself per response (zrl/pipeline/verifier.py); the loop's
-  backstop times a call from when it could start on its verifier, and restarts a verifier whose
-  hung threads pile up once its queue drained.
+  backstop and the restarts of hung verifiers are zrl/pipeline/verifier_pool.py.
 - `ProgressWatchdog` stops the stage when no step completes in `progress_timeout_s` or every recent
   group was discarded; a SIGINT/SIGTERM stops it at the next step boundary after a checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError, ObjectLostError, RayActorError,
-                            RayError, RayTaskError)
+from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayError,
+                            RayTaskError)
 
 from zrl.algorithms import SolveRateFrontier
 from zrl.buffer import RolloutBuffer
@@ -58,13 +56,15 @@ from zrl.pipeline.faults import (ProgressWatchdog, StageStopped, StopRequest, Tr
 from zrl.pipeline.pools import Pool, light_actor
 from zrl.pipeline.rollout_worker import GroupTicket, RolloutWorker
 from zrl.pipeline.schedule import StageSchedule
+from zrl.pipeline.stage_calls import (AdmitCall, CheckedCall, CreditCall, ReleaseCall, RoundCall, TrainCall,
+                                      TrainerSyncCall, VerifyCall, WorkerSyncCall, call_errors, group_was_lost,
+                                      rollout_bytes_in)
 from zrl.pipeline.stage_report import StageCounters, progress_line, step_metrics
-from zrl.pipeline.verifier import MAX_HUNG_THREADS, Verifier
-from zrl.types import Rollout, Verification, rollout_array_bytes
+from zrl.pipeline.verifier_pool import VerifierPool
+from zrl.types import Verification
 
 log = logging.getLogger("zrl")
 
-NUM_VERIFIERS = 2
 RANK_FAILURE_GRACE_S = 30.0  # after one trainer rank failed, how long the others get to return or fail
 MAX_FAILED_SYNCS = 6  # failed sync calls in a row (each member's failure counts) before the stage stops
 
@@ -83,60 +83,6 @@ class StageContext:
     run_dir: str
     log_metrics: object         # callable(step: int, values: dict) -> None
     checkpoint: object = None   # callable(step: int, data_state: dict) -> None, or None
-
-
-# ---------------------------------------------------------------------------------- calls in flight
-
-@dataclass(frozen=True)
-class RoundCall:
-    worker: int
-    seq: int                    # submission order: tells a failure of the current incarnation from older ones
-
-
-@dataclass(frozen=True)
-class VerifyCall:
-    ticket: GroupTicket
-    verifier: int
-    submitted: float
-    retried: bool
-
-
-@dataclass(frozen=True)
-class AdmitCall:
-    ticket: GroupTicket
-
-
-@dataclass(frozen=True)
-class CreditCall:
-    pass
-
-
-@dataclass(frozen=True)
-class ReleaseCall:
-    shares: tuple               # one object reference per trainer rank
-
-
-@dataclass(frozen=True)
-class TrainCall:
-    refs: tuple                 # every rank's train_step (each is a key of the same record)
-    started: float
-
-
-@dataclass(frozen=True)
-class TrainerSyncCall:
-    refs: tuple                 # every rank's sync_weights / export_state (keyed by rank 0's)
-    transport: str
-
-
-@dataclass(frozen=True)
-class WorkerSyncCall:
-    worker: int
-    seq: int
-
-
-@dataclass(frozen=True)
-class CheckedCall:
-    what: str                   # a call whose only result is "it did not raise"
 
 
 class RLStageRunner:
@@ -163,17 +109,13 @@ class RLStageRunner:
         self.buffer = light_actor(RolloutBuffer, stage.asynchrony, stage.algorithm, stage.sampling,
                                   stage_steps=stage.steps, first_version=first_version, frontier=inherited)
         self.final_frontier: dict = dict(frontier or {})  # set from the buffer when the stage closes
-        self.verifiers = [light_actor(Verifier, stage.environments, a.verifier_timeout_s, max_restarts=-1)
-                          for _ in range(NUM_VERIFIERS)]
-        self.verifier_free_at = [0.0] * NUM_VERIFIERS  # when each verifier finished its last call
-        self.replacing: set[int] = set()                 # verifiers drained before a restart (hung threads)
+        self.verifiers = VerifierPool(stage.environments, a.verifier_timeout_s)
         self.watchdog = ProgressWatchdog(a.progress_timeout_s, a.max_discarded_batches * stage.sampling.prompts_per_batch)
         self.last_checkpoint = resume_version              # trainer step of the stage's newest checkpoint
         self.pending: dict = {}     # object reference -> the call record above
         self.group_ready = False    # the collective sync group is formed
         self.failed_syncs = 0
         self._seq = 0
-        self._next_verifier = 0
         self._window_start = time.perf_counter()
         self._sync_started = 0.0
         self._last_heartbeat = time.perf_counter()
@@ -269,7 +211,7 @@ class RLStageRunner:
     def _fetch(self, ref):
         """ray.get, counting the rollout-array bytes of what came back (the data plane keeps it at 0)."""
         value = ray.get(ref)
-        self.counters.driver_array_bytes += _rollout_bytes_in(value)
+        self.counters.driver_array_bytes += rollout_bytes_in(value)
         return value
 
     def _next_seq(self) -> int:
@@ -310,23 +252,19 @@ class RLStageRunner:
             self._verify(ticket)
 
     def _verify(self, ticket: GroupTicket, retried: bool = False) -> None:
-        usable = [v for v in range(len(self.verifiers)) if v not in self.replacing] or list(range(len(self.verifiers)))
-        v = usable[self._next_verifier % len(usable)]
-        self._next_verifier += 1
-        ref = self.verifiers[v].verify_text.remote(ticket.text_ref)
-        self.pending[ref] = VerifyCall(ticket, v, time.perf_counter(), retried)
+        ref, call = self.verifiers.submit(ticket, retried)
+        self.pending[ref] = call
 
     def _on_verified(self, call: VerifyCall, ref) -> None:
-        self.verifier_free_at[call.verifier] = time.perf_counter()
+        self.verifiers.returned(call.verifier)
         try:
             result = self._fetch(ref)
             verifications = result.verifications
             self.counters.verifier_timeouts += result.timeouts
-            if result.hung_threads >= MAX_HUNG_THREADS:
-                self._replace_verifier(call.verifier, f"{result.hung_threads} verify calls hang in it")
-            self._replace_drained_verifiers()
+            busy = {c.verifier for c in self.pending.values() if isinstance(c, VerifyCall)}
+            self.verifiers.check_health(call.verifier, result.hung_threads, busy)
         except RayError as exc:
-            if _group_lost(exc):  # its rollout worker died: the group's arrays died with it
+            if group_was_lost(exc):  # its rollout worker died: the group's arrays died with it
                 self._group_lost(call.ticket)
                 return
             if not isinstance(exc, RayActorError):
@@ -346,7 +284,7 @@ class RLStageRunner:
         try:
             self.watchdog.group_admitted(self._fetch(ref).status)
         except RayError as exc:
-            if not _group_lost(exc):
+            if not group_was_lost(exc):
                 raise
             self.schedule.lost_groups += 1
         self.schedule.progressed()
@@ -357,42 +295,11 @@ class RLStageRunner:
         log.warning("group %s was lost with its rollout worker", ticket.group_id)
 
     def _expire_verifications(self) -> None:
-        """The backstop for a verify call that hangs past its own per-rollout timeouts (a verifier stuck
-        in C code holding the GIL): a verifier runs its calls one at a time in submission order, so a
-        call's own execution starts when the call before it on that verifier finished; it gets one
-        timeout per rollout plus one before the verifier is restarted. The calls queued behind it fail
-        with the restart and are verified again elsewhere (`_on_verified`)."""
-        timeout = self.stage.asynchrony.verifier_timeout_s
-        now = time.perf_counter()
-        running: dict[int, tuple] = {}  # verifier -> its oldest pending call (the one executing)
-        for ref, call in self.pending.items():
-            if isinstance(call, VerifyCall) and call.verifier not in running:
-                running[call.verifier] = (ref, call)
-        for v, (ref, call) in running.items():
-            limit = timeout * (call.ticket.num_rollouts + 1)
-            if now - max(call.submitted, self.verifier_free_at[v]) > limit:
-                del self.pending[ref]
-                self.counters.verifier_timeouts += 1
-                log.warning("verifier %d spent over %.0f s on group %s: reward 0, restarting the verifier", v, limit,
-                            call.ticket.group_id)
-                self._replace_verifier(v, "a verify call hung", now=True)
-                self.verifier_free_at[v] = now
-                self._admit(call.ticket, [Verification(0.0, error=f"timeout after {limit:g} s")] * call.ticket.num_rollouts)
-
-    def _replace_verifier(self, v: int, why: str, now: bool = False) -> None:
-        """Restart verifier `v` (Ray restarts it, max_restarts=-1): at once, or once its queue drained."""
-        if now:
-            log.warning("restarting verifier %d: %s", v, why)
-            ray.kill(self.verifiers[v], no_restart=False)
-            self.replacing.discard(v)
-        elif v not in self.replacing:
-            log.warning("verifier %d will be restarted when its queue drains: %s", v, why)
-            self.replacing.add(v)
-
-    def _replace_drained_verifiers(self) -> None:
-        busy = {call.verifier for call in self.pending.values() if isinstance(call, VerifyCall)}
-        for v in list(self.replacing - busy):
-            self._replace_verifier(v, "its queue drained", now=True)
+        """The backstop for verify calls that hang past their own timeouts (zrl/pipeline/verifier_pool.py)."""
+        for ref, call, limit in self.verifiers.overdue(self.pending):
+            del self.pending[ref]
+            self.counters.verifier_timeouts += 1
+            self._admit(call.ticket, [Verification(0.0, error=f"timeout after {limit:g} s")] * call.ticket.num_rollouts)
 
     # ------------------------------------------------------------------ training
 
@@ -408,7 +315,7 @@ class RLStageRunner:
 
     def _on_trained(self, call: TrainCall, ref) -> None:
         what = f"step {self.schedule.policy_version + 1}"
-        if _errors([ref]):  # the other ranks cannot finish the step: give them a moment to fail too
+        if call_errors([ref]):  # the other ranks cannot finish the step: give them a moment to fail too
             trainer_results(call.refs, what, self._fetch, timeout_s=RANK_FAILURE_GRACE_S)
         if any(r in self.pending for r in call.refs):
             return  # the step ends when every rank has returned
@@ -474,7 +381,7 @@ class RLStageRunner:
         try:
             sent = [self._fetch(r) for r in refs]
         except RayError as exc:
-            if any(isinstance(e, RayActorError) for e in _errors(call.refs)):  # a rank died: TrainerFailed
+            if any(isinstance(e, RayActorError) for e in call_errors(call.refs)):  # a rank died: TrainerFailed
                 trainer_results(call.refs, "a weight sync", self._fetch, timeout_s=RANK_FAILURE_GRACE_S)
             self._sync_failed("the trainer side", exc)
             self.schedule.trainer_synced(ok=False)
@@ -615,38 +522,6 @@ class RLStageRunner:
         self.final_frontier = ray.get(self.buffer.state_dict.remote())["frontier"]
         # In-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) leave no shared-memory segments behind:
         # killing the actor process releases everything it held.
-        for actor in self.workers + self.verifiers + [self.buffer]:
+        for actor in self.workers + self.verifiers.actors + [self.buffer]:
             ray.kill(actor)
         self.ctx.rollout_pool.actors = []
-
-
-def _errors(refs) -> list[RayError]:
-    """The errors of finished calls among `refs` (unfinished ones are not waited for)."""
-    done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0, fetch_local=False)
-    errors = []
-    for ref in done:
-        try:
-            ray.get(ref)
-        except RayError as exc:
-            errors.append(exc)
-    return errors
-
-
-def _group_lost(exc: RayError) -> bool:
-    """Whether a call failed because a group's object was lost (its owner, the rollout worker, died)."""
-    return isinstance(exc, ObjectLostError) or (isinstance(exc, RayTaskError)
-                                                and isinstance(getattr(exc, "cause", None), ObjectLostError))
-
-
-def _rollout_bytes_in(value) -> int:
-    """Rollout-array bytes held by a value the driver fetched: rollouts anywhere inside it (dataclass
-    fields, containers), so a report that smuggled a group in would be counted."""
-    if isinstance(value, Rollout):
-        return rollout_array_bytes(value)
-    if isinstance(value, (list, tuple)):
-        return sum(_rollout_bytes_in(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_rollout_bytes_in(v) for v in value.values())
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return sum(_rollout_bytes_in(getattr(value, f.name)) for f in dataclasses.fields(value))
-    return 0

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from zrl.trainer.packing import RankPlan, input_length, plan_rank  # noqa: F401  (re-exported)
+from zrl.trainer.packing import input_length
 from zrl.types import NO_ROUTE, Rollout
 
 

@@ -26,7 +26,6 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -36,12 +35,12 @@ from zrl.moepp import BiasBalancer, MoEPPConfig, MoEPPForCausalLM, load_hf_check
 from zrl.optim import MuonAdamW, lr_scheduler
 from zrl.trainer import checkpoint as ckpt
 from zrl.trainer.activations import OffloadSavedTensors
-from zrl.trainer.batch import SFTExample, input_length, pack_rollouts, pack_sft, plan_rank
+from zrl.trainer.batch import SFTExample, pack_rollouts, pack_sft
 from zrl.trainer.distributed import Rendezvous, build_mesh, device_of_backend, init_process_group, shard_model
 from zrl.trainer.export import DEFAULT_BUCKET_BYTES, WeightBucket, export_hf_checkpoint, iter_weight_buckets
 from zrl.trainer.loss import StepStats, rl_microbatch_loss, sft_microbatch_loss
 from zrl.trainer.settings import TrainerSettings
-from zrl.trainer.packing import split_batch
+from zrl.trainer.packing import input_length, plan_rank, split_batch
 from zrl.types import RankShare, TrainBatch
 
 logger = logging.getLogger(__name__)

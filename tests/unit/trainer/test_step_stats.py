@@ -10,10 +10,11 @@ import math
 import pytest
 import torch
 
-from zrl.moepp import load_hf_checkpoint
-from zrl.trainer.batch import input_length, pack_rollouts, plan_rank
+from zrl.trainer.batch import pack_rollouts
+from zrl.trainer.packing import input_length, plan_rank
 from zrl.trainer.loss import RLObjective, StepStats, rl_microbatch_loss
-from zrl.trainer.synthetic import synthetic_train_batch
+
+from trainer_testlib import tiny_model_and_batch
 
 CPU = torch.device("cpu")
 OBJECTIVE = RLObjective("dppo_binary_tv", {"delta": 0.1, "is_cap": 1e4}, "seq_mean_token_sum_norm", 40)
@@ -22,13 +23,8 @@ STATS = ("kl_k1", "kl_k3", "pearson_prob", "pearson_logprob", "mean_abs_prob_dif
 
 @pytest.fixture(scope="module")
 def model_and_batch(tiny_checkpoint):
-    model = load_hf_checkpoint(tiny_checkpoint)
-    cfg = model.config
     # Pulled at trainer step 1; version segments put the tokens at versions 0 and 1.
-    batch = synthetic_train_batch(vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
-                                  num_experts=cfg.num_experts, num_groups=2, group_size=4, trainer_step=1, seed=5,
-                                  model=model, logprob_noise=0.2)
-    return model, batch
+    return tiny_model_and_batch(tiny_checkpoint, num_groups=2, group_size=4, seed=5)
 
 
 def step_metrics(model, batch, trainer_step: int) -> dict[str, float]:

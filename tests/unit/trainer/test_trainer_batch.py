@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from zrl.trainer.batch import SFTExample, dummy_microbatch, input_length, pack_rollouts, pack_sft, plan_rank
+from zrl.trainer.batch import SFTExample, dummy_microbatch, pack_rollouts, pack_sft
+from zrl.trainer.packing import input_length, plan_rank
 from zrl.types import Rollout
 
 CPU = torch.device("cpu")

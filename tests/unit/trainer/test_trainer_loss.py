@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from zrl.canaries import mismatch_stats
-from zrl.moepp import load_hf_checkpoint
-from zrl.trainer.batch import input_length, pack_rollouts, pack_sft, plan_rank
+from zrl.trainer.batch import pack_rollouts, pack_sft
+from zrl.trainer.packing import input_length, plan_rank
 from zrl.trainer.loss import RLObjective, StepStats, rl_microbatch_loss, sft_microbatch_loss
-from zrl.trainer.synthetic import synthetic_sft_examples, synthetic_train_batch
+from zrl.trainer.synthetic import synthetic_sft_examples
 
-from trainer_testlib import assert_grads_close, reference
+from trainer_testlib import assert_grads_close, reference, tiny_model_and_batch
 
 T_NORM = 40
 CPU = torch.device("cpu")
@@ -26,12 +26,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def setup(tiny_checkpoint):
-    model = load_hf_checkpoint(tiny_checkpoint)
-    cfg = model.config
-    batch = synthetic_train_batch(vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
-                                  num_experts=cfg.num_experts, num_groups=3, group_size=4, trainer_step=1, seed=3,
-                                  model=model, logprob_noise=0.2, empty_responses=1)
-    return model, batch
+    return tiny_model_and_batch(tiny_checkpoint, num_groups=3, group_size=4, seed=3, empty_responses=1)
 
 
 def packed(model, batch, objective, token_budget=40):

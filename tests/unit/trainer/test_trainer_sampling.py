@@ -7,7 +7,8 @@ import torch
 from zrl.config.schema import RLStage, SFTStage
 from zrl.moepp import load_hf_checkpoint
 from zrl.moepp.logprobs import SamplingDistribution
-from zrl.trainer.batch import input_length, pack_rollouts, plan_rank
+from zrl.trainer.batch import pack_rollouts
+from zrl.trainer.packing import input_length, plan_rank
 from zrl.trainer.loss import RLObjective, rl_microbatch_loss
 from zrl.trainer.settings import TrainerSettings
 from zrl.trainer.synthetic import synthetic_train_batch

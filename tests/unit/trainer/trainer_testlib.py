@@ -1,7 +1,11 @@
-"""Shared helpers of the trainer tests: the RL objective computed rollout by rollout, by hand."""
+"""Shared helpers of the trainer tests: the tiny model with a synthetic batch, and the RL objective
+computed rollout by rollout, by hand."""
 
 import numpy as np
 import torch
+
+from zrl.moepp import load_hf_checkpoint
+from zrl.trainer.synthetic import synthetic_train_batch
 
 # Packed vs per-rollout gradients differ only by fp32 summation order. Per tensor the worst case is
 # qk_norm.temp (2 elements, each a sum over all tokens with heavy cancellation): measured up to 1.5e-5
@@ -67,3 +71,14 @@ def reference(model, batch, objective):
         facts["recorded"] += int(out.routing.replay_recorded.sum())
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     return total, grads, facts
+
+
+def tiny_model_and_batch(checkpoint, **batch_options):
+    """The tiny model and a synthetic batch pulled at trainer step 1 whose behaviour logprobs are the
+    model's own plus noise (0.2); `batch_options` go to synthetic_train_batch."""
+    model = load_hf_checkpoint(checkpoint)
+    cfg = model.config
+    batch = synthetic_train_batch(vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
+                                  num_experts=cfg.num_experts, trainer_step=1, model=model, logprob_noise=0.2,
+                                  **batch_options)
+    return model, batch
