@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -136,6 +136,7 @@ class _Window:
         self.groups = 0
         self.bonus_groups = 0
         self.env_reward: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        self.reasons: Counter[tuple[str, str]] = Counter()  # (env, reason) of verifications that give one
 
 
 class RolloutBuffer:
@@ -326,6 +327,10 @@ class RolloutBuffer:
         env = w.env_reward[group.prompt.env]
         env[0] += float(task.sum())
         env[1] += g
+        for v in group.verifications:
+            reason = v.metadata.get("reason")
+            if isinstance(reason, str):
+                w.reasons[group.prompt.env, reason.replace(" ", "_")] += 1
         # The frontier sees earlier observation batches only: accumulate, flush every B groups.
         pending = self._pending_solve.setdefault(group.prompt.data_source, [0.0, 0])
         pending[0] += float(rewards.sum())
@@ -437,6 +442,8 @@ class RolloutBuffer:
             out["reward/gated_mean"] = w.gated_reward_sum / w.rollouts
             for env, (total, count) in sorted(w.env_reward.items()):
                 out[f"reward/{env}"] = total / count
+            for (env, reason), count in sorted(w.reasons.items()):
+                out[f"verify/{env}/{reason}"] = count / w.env_reward[env][1]
             out["canary/lz77_flagged_fraction"] = w.flagged / w.rollouts
             out["env/verifier_error_fraction"] = w.verifier_errors / w.rollouts
             out["lengths/response_mean"] = w.length_sum / w.rollouts

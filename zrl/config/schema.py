@@ -51,6 +51,12 @@ class Resources(Strict):
     activation_offload: bool = Field(
         False, description="keep the activations autograd saves for backward in host memory until backward needs "
                            "them (accelerators only; nothing to offload to on CPU)")
+    verifier_workers: int = Field(
+        2, ge=1, description="verifier actors per RL stage: they score responses, and code environments run their "
+                             "sandboxed executions in them, so this sizes the sandbox pool")
+    cpus_per_verifier_worker: float = Field(
+        0.0, ge=0, description="CPUs Ray reserves per verifier actor (0: they share the machine's CPUs; on a cluster "
+                               "a reservation spreads them, and the sandboxes in them, over the nodes)")
     trainer_restarts: int = Field(1, ge=0, description="times the controller restarts the trainer pool from the "
                                   "latest checkpoint after a trainer rank failed (0: the run stops)")
     hsdp_replicas: int = Field(

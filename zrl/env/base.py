@@ -5,7 +5,9 @@ Contract (docs/design.md "Contracts"):
   evaluation set is fixed by its seed. `split="eval"` draws from problems kept out of `split="train"`.
   A `sample` that raises or returns anything but `n` prompts stops the stage (`EnvironmentFault`).
 - `verify(prompt, response)` returns a reward in [0, 1] (binary for `reward_type = "binary"`) or a
-  `Verification` with metadata. An exception is not fatal to a run: `safe_verify` turns it into
+  `Verification` with metadata. A string `metadata["reason"]` (why the response earned what it did:
+  "passed", "no code block", ...) is counted: metric `verify/<env key>/<reason>`, the fraction of the
+  environment's rollouts in the window. An exception is not fatal to a run: `safe_verify` turns it into
   reward 0 with the error recorded, and the pipeline counts it; so is a result that is not a number.
   The pipeline calls `verify` in a worker thread (zrl/pipeline/verifier.py) and scores a call that runs
   past the stage's `verifier_timeout_s` 0, so a verifier must not rely on signals (they work in the

@@ -265,7 +265,9 @@ class Cascade:
                                engine_dtype=self.recipe.model.dtype, kernels=self.recipe.model.kernels,
                                token_budget=trainer_settings(self.recipe, stage).token_budget,
                                seed=self.recipe.seed + first_step, run_dir=str(self.run_dir),
-                               log_metrics=self._log(stage), checkpoint=checkpoint)
+                               log_metrics=self._log(stage), checkpoint=checkpoint,
+                               verifier_workers=self.recipe.resources.verifier_workers,
+                               cpus_per_verifier_worker=self.recipe.resources.cpus_per_verifier_worker)
             frontier = self._frontier if stage.inherit.length_reward_state else None
             runner = RLStageRunner(stage, ctx, first_version=first_step, frontier=frontier, **resume)
             step = runner.run()

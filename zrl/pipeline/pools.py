@@ -63,9 +63,9 @@ def reserve_pools(resources: Resources) -> tuple[Pool, Pool]:
     return rollout, trainer
 
 
-def light_actor(cls, *args, max_restarts: int = 0, **kwargs):
-    """An actor that holds no reserved resources (buffer, verifiers)."""
-    return ray.remote(cls).options(num_cpus=0, max_restarts=max_restarts,
+def light_actor(cls, *args, max_restarts: int = 0, num_cpus: float = 0, **kwargs):
+    """An actor outside the placement groups (buffer, verifiers), holding `num_cpus` (none by default)."""
+    return ray.remote(cls).options(num_cpus=num_cpus, max_restarts=max_restarts,
                                    runtime_env={"env_vars": actor_env(1)}).remote(*args, **kwargs)
 
 

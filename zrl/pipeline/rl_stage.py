@@ -83,6 +83,8 @@ class StageContext:
     run_dir: str
     log_metrics: object         # callable(step: int, values: dict) -> None
     checkpoint: object = None   # callable(step: int, data_state: dict) -> None, or None
+    verifier_workers: int = 2
+    cpus_per_verifier_worker: float = 0.0
 
 
 class RLStageRunner:
@@ -109,7 +111,8 @@ class RLStageRunner:
         self.buffer = light_actor(RolloutBuffer, stage.asynchrony, stage.algorithm, stage.sampling,
                                   stage_steps=stage.steps, first_version=first_version, frontier=inherited)
         self.final_frontier: dict = dict(frontier or {})  # set from the buffer when the stage closes
-        self.verifiers = VerifierPool(stage.environments, a.verifier_timeout_s)
+        self.verifiers = VerifierPool(stage.environments, a.verifier_timeout_s, ctx.verifier_workers,
+                                      ctx.cpus_per_verifier_worker)
         self.watchdog = ProgressWatchdog(a.progress_timeout_s, a.max_discarded_batches * stage.sampling.prompts_per_batch)
         self.last_checkpoint = resume_version              # trainer step of the stage's newest checkpoint
         self.pending: dict = {}     # object reference -> the call record above

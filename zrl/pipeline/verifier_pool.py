@@ -22,12 +22,11 @@ from zrl.pipeline.verifier import MAX_HUNG_THREADS, Verifier
 
 log = logging.getLogger("zrl")
 
-NUM_VERIFIERS = 2
-
 
 class VerifierPool:
-    def __init__(self, environments, timeout_s: float, size: int = NUM_VERIFIERS):
-        self.actors = [light_actor(Verifier, environments, timeout_s, max_restarts=-1) for _ in range(size)]
+    def __init__(self, environments, timeout_s: float, size: int, cpus: float = 0.0):
+        self.actors = [light_actor(Verifier, environments, timeout_s, max_restarts=-1, num_cpus=cpus)
+                       for _ in range(size)]
         self.timeout_s = timeout_s
         self.free_at = [0.0] * size       # when each verifier finished its last call
         self.replacing: set[int] = set()  # verifiers drained before a restart (hung threads)

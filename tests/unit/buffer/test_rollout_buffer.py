@@ -1,6 +1,7 @@
 """Rollout buffer rules, hand-checked: canary gate before advantages, length bonus, zero-signal filter,
 capacity and staleness eviction (per-token versions), min-ready release, pacing, metrics, resume."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -358,6 +359,22 @@ def test_metrics_counts_and_window_means():
     assert m["staleness/max"] == 1 and m["staleness/mean"] == 1
     m2 = buf.metrics()
     assert "reward/mean" not in m2 and m2["buffer/received"] == 3  # window reset, counts cumulative
+
+
+def test_verification_reasons_are_counted_per_environment():
+    """A verifier's metadata["reason"] (why a response earned what it did) becomes the fraction of that
+    environment's rollouts in the window: verify/<env>/<reason, spaces as underscores>."""
+    buf = make_buffer(batch=1, ready=1)
+    group = make_group("a", [1, 0, 0, 0], env="code")
+    reasons = ["passed", "no code block", "no code block", None]
+    group = dataclasses.replace(group, verifications=[
+        dataclasses.replace(v, metadata={} if r is None else {"reason": r}) for v, r in zip(group.verifications, reasons)])
+    buf.admit(group)
+    buf.admit(make_group("b", [1, 0, 0, 0], env="arith"))
+    m = buf.metrics()
+    assert (m["verify/code/passed"], m["verify/code/no_code_block"]) == (0.25, 0.5)
+    assert not [k for k in m if k.startswith("verify/arith")]
+    assert not [k for k in buf.metrics() if k.startswith("verify/")]  # a window's counts
 
 
 def test_state_dict_round_trip_drops_buffered_groups_and_keeps_conservation():

@@ -1,0 +1,4 @@
+"""Spin the CPU forever."""
+# expect: timeout
+while True:
+    pass

@@ -1,0 +1,4 @@
+"""Sleep far past the wall-clock limit."""
+# expect: timeout
+import time
+time.sleep(3600)
