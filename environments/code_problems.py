@@ -46,7 +46,7 @@ import json
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -267,7 +267,7 @@ class Return:
     """One function call's outcome inside the driver."""
 
     repr: str | None = None     # the result's repr when the call returned plain data
-    equal: bool | None = None   # result == expected, when an expected value was given
+    equal: bool | None = None   # the result equals the expected output (`same_value`), when one was given
     error: str | None = None    # what it raised
 
 
@@ -285,13 +285,18 @@ class CallRun:
 def run_calls(sandbox: "Sandbox", problem: CodeProblem, programs: Sequence[str], calls: Sequence[str],
               expected: Sequence[str] | None = None, check: bool = False) -> list[CallRun]:
     """Call `problem.entry_point` of each program (modules) on `calls` (argument lists) in one sandbox,
-    comparing with `expected` outputs when given and running `problem.check` when `check`."""
+    comparing the results with `expected` outputs here (they never enter the sandbox) when given and
+    running `problem.check` when `check`."""
     nonce = secrets.token_hex(16)
     jobs = [json.dumps({"nonce": nonce, "prelude": problem.starter, "code": program,
                         "entry_point": problem.entry_point, "calls": list(calls),
-                        "expected": None if expected is None else list(expected),
                         "check": problem.check if check else None}) for program in programs]
-    return [_call_run(execution, nonce) for execution in sandbox.run(DRIVER, jobs)]
+    runs = [_call_run(execution, nonce) for execution in sandbox.run(DRIVER, jobs)]
+    if expected is None:
+        return runs
+    return [replace(run, returns=tuple(
+        replace(r, equal=same_value(r.repr, want)) if r.repr is not None else r
+        for r, want in zip(run.returns, expected))) for run in runs]
 
 
 def _call_run(execution: "Execution", nonce: str) -> CallRun:

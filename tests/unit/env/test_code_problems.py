@@ -22,6 +22,15 @@ STDIO = {"id": "s1", "style": "stdio", "statement": "Print the sum of two intege
          "output_spec": "their sum", "accepted": ["a, b = map(int, input().split())\nprint(a + b)\n"],
          "tests": [{"input": "1 2\n", "output": "3\n"}]}
 
+# A candidate that returns the expected output it finds in the process's memory (the test's job).
+LOOKUP = """import ast, gc
+def add(a, b):
+    for o in gc.get_objects():
+        for value in (o.values() if type(o) is dict else ()):
+            if type(value) is list and value and all(type(v) is str for v in value) and "3" in value:
+                return ast.literal_eval(value[0] if a == 1 else value[-1])
+"""
+
 
 @pytest.fixture(scope="module")
 def sandbox():
@@ -145,6 +154,7 @@ def test_driver_runs_calls_and_compares(sandbox):
      "wrong answer"),  # prints cannot forge the answer line
     ("def add(a, b):\n    raise ValueError('no')\n", "runtime error"),
     ("raise SystemExit(3)\n", "runtime error"),
+    (LOOKUP, "wrong answer"),  # the expected outputs are not in the sandbox to be found
 ])
 def test_judge_function_problems_against_hostile_programs(sandbox, program, reason):
     problem = CodeProblem.model_validate_json(json.dumps(FUNCTION))
