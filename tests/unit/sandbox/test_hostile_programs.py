@@ -9,6 +9,7 @@ sandbox's PID namespace, which must be empty then). Afterwards the executor stil
 """
 
 import json
+import logging
 import os
 import re
 import secrets
@@ -28,6 +29,7 @@ LIMITS = Limits(wall_s=3.0, cpu_s=2.0, memory_mb=256, processes=16, file_size_mb
                 output_bytes=64 * 1024, scratch_mb=16)
 PROJECT = Path(__file__).resolve().parents[3]
 SECRET_NAME = "ZRL_SANDBOX_CANARY"
+log = logging.getLogger(__name__)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +93,7 @@ def check_contained(name: str, runs, seconds: float, host) -> None:
     namespaces = {run.stderr.split("\n", 1)[0] for run in runs}
     assert all(ns.startswith("pid:[") for ns in namespaces), f"{name}: {runs}"
     assert [p for ns in namespaces for p in processes_in(ns)] == [], f"{name} left processes behind"
-    print(f"{name}: {runs[0].status} in {seconds:.2f} s")
+    log.info("%s: %s in %.2f s", name, runs[0].status, seconds)  # the figures of bench/results/sandbox_cpu.md
 
 
 def timed_run(sandbox, program: str, ctx: dict, inputs: int = 1):
