@@ -3,7 +3,7 @@
 A SIGKILLed driver takes its embedded Ray head (GCS, raylet: kernel fate sharing) and the workers with
 it, but the raylet's agents (dashboard agent, runtime-env agent) wait about a minute on the dead GCS
 before they exit. Every process the driver starts inherits its tag (DRIVER_TAG in the environment),
-which no other process carries; the reaper, started in its own session without the tag, waits for
+which no other process carries (`driver_environment`); the reaper, started in its own session without the tag, waits for
 the driver's pid to end and then kills every process that still carries the tag.
 
 A driver that ends normally stops its reaper first (`Reaper.stop`): its Ray shut down cleanly.
@@ -16,11 +16,31 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 DRIVER_TAG = "ZRL_DRIVER_TAG"  # set in the driver's environment: every process it starts inherits it
+# Ray's agents rename themselves with setproctitle, which by default writes the title over the memory that
+# /proc/PID/environ shows, hiding the tag; SPT_NOENV=1 keeps the title to the command line's own memory.
+TAG_KEEPING_ENV = {"SPT_NOENV": "1"}
 QUIET_SCANS = 4                # scans (0.5 s apart) that find no tagged process before the reaper exits
 REAP_LIMIT_S = 120.0
+
+
+@contextlib.contextmanager
+def driver_environment(tag: str) -> Iterator[None]:
+    """Within the block, processes started from this one carry the tag where the reaper can read it."""
+    updates = {DRIVER_TAG: tag, **TAG_KEEPING_ENV}
+    previous = {key: os.environ.get(key) for key in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def tagged_processes(tag: str) -> list[int]:

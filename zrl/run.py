@@ -40,7 +40,7 @@ import yaml
 
 from zrl.config import Recipe, parse_recipe
 from zrl.pipeline.faults import Interrupted, StageStopped, StopRequest, TrainerFailed
-from zrl.reaper import DRIVER_TAG, Reaper, kill_tagged
+from zrl.reaper import Reaper, driver_environment, kill_tagged
 from zrl.runtime_env import engine_logs
 
 log = logging.getLogger("zrl")
@@ -209,19 +209,14 @@ def run_recipe(recipe: Recipe, address: str | None = None, resume: bool = False,
     point, (driver_file, tag) = prepare_run_dir(recipe, resume)
     log.info("run directory: %s (resolved recipe written)%s", out,
              "" if point is None else f"; resuming from trainer step {point.step} of stage {point.stage!r}")
-    previous_tag = os.environ.get(DRIVER_TAG)
-    os.environ[DRIVER_TAG] = tag  # before ray.init: an embedded Ray's processes inherit it
     reaper = Reaper(tag) if address is None and Path("/proc").is_dir() else None
     try:
-        with engine_logs(out / LOG_DIR) as config, _stop_on_signals():
+        # The tag goes into the environment before ray.init: an embedded Ray's processes inherit it.
+        with driver_environment(tag), engine_logs(out / LOG_DIR) as config, _stop_on_signals():
             if config is not None:
                 log.info("engine (vLLM) logs: %s; their warnings and errors also show here", out / LOG_DIR)
             return _run(recipe, address, point, f"{command} --resume")
     finally:
-        if previous_tag is None:
-            os.environ.pop(DRIVER_TAG, None)
-        else:
-            os.environ[DRIVER_TAG] = previous_tag
         driver_file.unlink(missing_ok=True)
         if reaper is not None:
             reaper.stop()

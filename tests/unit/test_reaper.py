@@ -51,3 +51,30 @@ def test_a_stopped_reaper_kills_nothing():
         assert survivor.poll() is None
     finally:
         survivor.kill()
+
+
+# A Ray agent renames itself (Ray's setproctitle) with a title long enough to need the environment's memory.
+RENAMING_PROCESS = ("import sys, time, ray._raylet; ray._raylet.setproctitle('ray::DashboardAgent' + ' ' * 4000); "
+                    "print('renamed', flush=True); time.sleep(600)")
+
+
+def renamed_process(env: dict) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", RENAMING_PROCESS], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "renamed\n"
+    return proc
+
+
+def test_processes_renamed_by_ray_keep_the_driver_tag_readable():
+    from zrl.reaper import driver_environment
+
+    tag = uuid.uuid4().hex
+    with driver_environment(tag):
+        kept = renamed_process(dict(os.environ))
+        # The same rename without driver_environment's settings hides the tag: what this guards against.
+        hidden = renamed_process({k: v for k, v in os.environ.items() if k != "SPT_NOENV"})
+    try:
+        assert DRIVER_TAG not in os.environ  # the block restores the environment
+        assert tagged_processes(tag) == [kept.pid]
+    finally:
+        kept.kill()
+        hidden.kill()
