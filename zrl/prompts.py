@@ -41,7 +41,8 @@ class MixtureEntry:
 def build_environment(spec: EnvironmentSpec) -> Environment:
     """The entry's environment, built with the recipe's options. Errors name the environment: an
     unknown name (UnknownEnvironmentError), a factory that is not a complete Environment or makes
-    something else (TypeError), a constructor that rejects the options (ValueError)."""
+    something else (TypeError), a data file the options name that does not exist (FileNotFoundError), a
+    constructor that rejects the options (ValueError)."""
     factory = registry.get(spec.name).factory
     if inspect.isclass(factory):
         if not issubclass(factory, Environment):
@@ -50,6 +51,8 @@ def build_environment(spec: EnvironmentSpec) -> Environment:
             raise TypeError(f"{spec.name!r} does not implement {', '.join(sorted(factory.__abstractmethods__))}")
     try:
         env = factory(**spec.options)
+    except FileNotFoundError as exc:  # a data file named by the options is not on this machine
+        raise FileNotFoundError(f"{spec.name!r}: {exc}") from None
     except Exception as exc:  # a constructor rejects bad options with whatever exception it likes
         raise ValueError(f"{spec.name!r} rejected options {spec.options}: {type(exc).__name__}: {exc}") from None
     if not isinstance(env, Environment):

@@ -169,9 +169,12 @@ def prepare_model(recipe: Recipe) -> Path:
 
 def required_resources(recipe: Recipe) -> dict[str, float]:
     r = recipe.resources
+    scorers = r.reward_model_workers if recipe.reward_model is not None else 0
     return {
-        "CPU": r.rollout_workers * r.cpus_per_rollout_worker + r.trainer_workers * r.cpus_per_trainer_worker,
-        "GPU": r.rollout_workers * r.gpus_per_rollout_worker + r.trainer_workers * r.gpus_per_trainer_worker,
+        "CPU": r.rollout_workers * r.cpus_per_rollout_worker + r.trainer_workers * r.cpus_per_trainer_worker
+               + scorers * r.cpus_per_reward_model_worker,
+        "GPU": r.rollout_workers * r.gpus_per_rollout_worker + r.trainer_workers * r.gpus_per_trainer_worker
+               + scorers * r.gpus_per_reward_model_worker,
     }
 
 
@@ -242,6 +245,10 @@ def _run(recipe: Recipe, address: str | None, point, resume_command: str) -> int
     from zrl.pipeline.controller import Cascade, latest_checkpoint
 
     model_path = prepare_model(recipe)
+    if recipe.reward_model is not None:
+        from zrl.reward_model import prepare_reward_model
+
+        log.info("reward model: %s", prepare_reward_model(recipe.reward_model))
     ray = connect_ray(address)
     restarts = recipe.resources.trainer_restarts
     try:

@@ -6,6 +6,9 @@ import time
 
 from coinflip_env import CoinFlip
 
+from environments.behavioural import ChatRewardModel
+from zrl.env.base import THINK_END
+
 HANG_S = 3600.0
 
 
@@ -57,3 +60,14 @@ class StallingSource(CoinFlip):
         if self.calls > self.draws_served:
             time.sleep(HANG_S)
         return super().sample(n, seed, split, difficulty)
+
+
+class ScoresEveryResponse(ChatRewardModel):
+    """chat_reward_model scoring every response of the untrained tiny policy (which rarely closes its
+    reasoning within a few tokens): each response is judged as if it were the answer, so every group
+    reaches the reward-model actors."""
+
+    name = "scores_every_response"
+
+    def verify_group(self, prompt, responses):
+        return super().verify_group(prompt, [f"{THINK_END}{r}" for r in responses])

@@ -143,3 +143,44 @@ def test_a_stalled_prompt_source_stops_the_stage_with_the_reason(ray_session, tm
     assert "no trainer step completed in" in message and "progress_timeout_s" in message
     log.info("fault: prompt source stalls after 4 draws | outcome: stopped after %.0f s (%d steps trained): %s",
              seconds, len(rows_of(tmp_path)), message)
+
+
+def test_a_reward_model_actor_killed_mid_stage_costs_only_its_groups_rewards(ray_session, tmp_path, tmp_path_factory):
+    ray = ray_session
+    from zrl.config.schema import RewardModelSpec
+    from zrl.pipeline.controller import Cascade
+    from zrl.run import prepare_model
+
+    steps = 6
+    recipe = make_recipe(tmp_path, tmp_path_factory.getbasetemp() / "tiny-model", "fault_envs:ScoresEveryResponse",
+                         steps)
+    stage = recipe.stages[0].model_copy(update={"algorithm": recipe.stages[0].algorithm.model_copy(
+        update={"advantage": "grpo"})})
+    recipe = recipe.model_copy(update={"stages": [stage], "reward_model": RewardModelSpec(
+        path=str(tmp_path_factory.getbasetemp() / "tiny-rm"), build_tiny_if_missing=True, dtype="float32",
+        max_tokens=128)})
+    recipe.resources.cpus_per_reward_model_worker = 0.0
+    cascade = Cascade(recipe, prepare_model(recipe))
+    outcome = {}
+    runner = threading.Thread(target=lambda: outcome.update(step=cascade.run()), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 600
+    while len(rows_of(tmp_path)) < 2:
+        assert runner.is_alive() and time.monotonic() < deadline, "the stage did not reach step 2"
+        time.sleep(0.2)
+    killed_at = time.monotonic()
+    ray.kill(ray.get_actor("zrl-reward-model-0"), no_restart=False)  # Ray restarts it (max_restarts=-1)
+    runner.join(timeout=600)
+    assert not runner.is_alive() and outcome.get("step") == steps, outcome
+    rows = rows_of(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    last = rows[-1]
+    assert_exactly_once(last)
+    # Scoring works again after the restart: the last window's responses were all scored.
+    scored = [r["verify/scores_every_response/scored"] for r in rows if "verify/scores_every_response/scored" in r]
+    assert scored[-1] == 1.0, scored
+    with pytest.raises(ValueError):  # the cascade stopped its reward-model actors with the stage
+        ray.get_actor("zrl-reward-model-0")
+    log.info("fault: reward-model actor killed at step 2 | outcome: stage completed (%d steps, %.0f s after the "
+             "kill) | lost: %d reward(s) scored 0 with an error | duplicated: %d", steps,
+             time.monotonic() - killed_at, last["env/verifier_errors"], last["ledger/duplicates"])

@@ -57,6 +57,11 @@ class Resources(Strict):
     cpus_per_verifier_worker: float = Field(
         0.0, ge=0, description="CPUs Ray reserves per verifier actor (0: they share the machine's CPUs; on a cluster "
                                "a reservation spreads them, and the sandboxes in them, over the nodes)")
+    reward_model_workers: int = Field(
+        1, ge=1, description="reward-model scoring actors (recipes with a `reward_model` section); each holds the model")
+    cpus_per_reward_model_worker: float = Field(
+        1.0, ge=0, description="CPUs Ray reserves per reward-model actor; its intra-op threads follow this number")
+    gpus_per_reward_model_worker: float = Field(0.0, ge=0, description="GPUs Ray reserves per reward-model actor")
     trainer_restarts: int = Field(1, ge=0, description="times the controller restarts the trainer pool from the "
                                   "latest checkpoint after a trainer rank failed (0: the run stops)")
     hsdp_replicas: int = Field(
@@ -70,6 +75,25 @@ class Resources(Strict):
                 f"hsdp_replicas={self.hsdp_replicas} must divide trainer_workers={self.trainer_workers}: every "
                 "replica group shards the model over the same number of ranks")
         return self
+
+
+class RewardModelSpec(Strict):
+    """The sequence-classification reward model that scores responses for reward-model environments
+    (zrl/reward_model.py). Its raw score s becomes the reward sigmoid((s - score_center) / score_scale)."""
+
+    path: str = Field(min_length=1, description="Hugging Face sequence-classification checkpoint directory "
+                                                "(one label) with its tokenizer and chat template")
+    build_tiny_if_missing: bool = Field(
+        False, description="build and train the tiny CPU reward model at `path` when it does not exist")
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="transformers forward, or vLLM's pooling runner")
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    max_tokens: int = Field(4096, ge=8, description="tokens scored per (prompt, response); longer inputs keep "
+                                                    "the response and drop the start of the prompt")
+    batch_size: int = Field(16, ge=1, description="conversations per forward pass")
+    score_center: float = Field(0.0, description="raw score that maps to reward 0.5")
+    score_scale: float = Field(1.0, gt=0, description="raw-score distance that moves the reward from 0.5 to "
+                                                      "sigmoid(1) = 0.73")
 
 
 class WandbSink(Strict):
@@ -293,6 +317,9 @@ class RLStage(StageBase):
             raise ValueError(
                 f"sampling.group_size={self.sampling.group_size}: group advantages "
                 f"({self.algorithm.advantage}) need G >= 2")
+        if self.algorithm.advantage == "grpo" and self.algorithm.length_reward.enabled:
+            raise ValueError("algorithm.advantage=grpo takes no length reward (the behavioural stage's algorithm); "
+                             "set algorithm.length_reward.enabled: false")
         if self.algorithm.advantage == "maxrl":
             continuous = [e.name for e in self.environments if e.reward_type == "continuous"]
             if continuous:
@@ -322,6 +349,8 @@ class Recipe(Strict):
     output_dir: str = Field(min_length=1, description="run directory: checkpoints, metrics, plots")
     seed: int = 0
     resources: Resources = Resources()
+    reward_model: RewardModelSpec | None = Field(
+        None, description="the reward model of reward-model environments (e.g. chat_reward_model)")
     metrics: Metrics = Metrics()
     stages: list[Stage] = Field(min_length=1)
 

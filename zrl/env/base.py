@@ -12,6 +12,11 @@ Contract (docs/design.md "Contracts"):
   The pipeline calls `verify` in a worker thread (zrl/pipeline/verifier.py) and scores a call that runs
   past the stage's `verifier_timeout_s` 0, so a verifier must not rely on signals (they work in the
   main thread only) and needs no timeout of its own.
+- `verify_group(prompt, responses)` optionally scores a whole group in one call (one reward or
+  `Verification` per response, in order): environments whose scorer batches (a reward model) override
+  it; the default calls `verify` per response. The pipeline then times the group's call as a whole
+  (`verifier_timeout_s` per response) and `safe_verify_group` applies `safe_verify`'s rules to each result;
+  a group call that raises costs the group's rewards.
 - `demonstration(prompt)` optionally returns a reference response (reasoning, `</think>`, answer);
   environments that have one can feed `sft` stages.
 Constructor keyword arguments are the recipe's per-environment `options`.
@@ -22,6 +27,7 @@ import hashlib
 import re
 import reprlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 from zrl.types import Prompt, RewardType, Split, Verification
@@ -57,6 +63,10 @@ class Environment(ABC):
     def verify(self, prompt: Prompt, response: str) -> float | Verification:
         """The reward of `response` (the generated text after the prompt) for `prompt`."""
 
+    def verify_group(self, prompt: Prompt, responses: Sequence[str]) -> Sequence[float | Verification]:
+        """The rewards of a group's `responses`, in order (override to batch; see the module docstring)."""
+        return [self.verify(prompt, response) for response in responses]
+
     def demonstration(self, prompt: Prompt) -> str | None:
         """A reference response for supervised warm starts, or None when the environment has none."""
         return None
@@ -82,6 +92,30 @@ def safe_verify(env: Environment, prompt: Prompt, response: str) -> Verification
         result = env.verify(prompt, response)
     except Exception as exc:  # a user's verifier may raise anything; the pipeline counts `error`
         return Verification(reward=0.0, error=f"{type(exc).__name__}: {exc}")
+    return _checked(env, result)
+
+
+def verifies_groups(env: Environment) -> bool:
+    """Whether the environment scores groups itself (overrides `verify_group`)."""
+    return type(env).verify_group is not Environment.verify_group
+
+
+def safe_verify_group(env: Environment, prompt: Prompt, responses: Sequence[str]) -> tuple[Verification, ...]:
+    """`verify_group` under `safe_verify`'s rules: each result is checked as `safe_verify` checks one; a call
+    that raises, or returns a number of results other than one per response, costs every response its
+    reward (reward 0, `error` saying why)."""
+    try:
+        results = list(env.verify_group(prompt, responses))
+    except Exception as exc:  # a scorer's failure (a dead reward-model actor, ...) costs this group
+        return tuple(Verification(reward=0.0, error=f"{type(exc).__name__}: {exc}") for _ in responses)
+    if len(results) != len(responses):
+        error = f"verify_group returned {len(results)} results for {len(responses)} responses"
+        return tuple(Verification(reward=0.0, error=error) for _ in responses)
+    return tuple(_checked(env, result) for result in results)
+
+
+def _checked(env: Environment, result) -> Verification:
+    """A verifier's result as a Verification whose reward obeys the contract (`safe_verify`)."""
     verification = result if isinstance(result, Verification) else Verification(reward=result)
     reward = _as_reward(verification.reward)
     if reward is None:

@@ -34,6 +34,7 @@ Resume (`zrl run --resume`, a `ResumePoint` read from latest.json at trainer ste
   the values the interrupted run logged.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -46,6 +47,7 @@ from pathlib import Path
 import ray
 
 from zrl.config.schema import Recipe, RLStage
+from zrl.env import registry
 from zrl.metrics import MetricsLogger
 from zrl.pipeline.pools import Pool, release, reserve_pools
 from zrl.pipeline.rl_stage import RLStageRunner, StageContext
@@ -260,25 +262,45 @@ class Cascade:
         """Train the stage from `step` (its first step, or a checkpoint's with `data_state`) to its end."""
         checkpoint = self._checkpointer(stage, ranks)
         if isinstance(stage, RLStage):
-            resume = {} if data_state is None else {"resume_version": step, "data_state": data_state}
-            ctx = StageContext(ranks=ranks, rollout_pool=self.rollout_pool, model_path=self.model_path,
-                               engine_dtype=self.recipe.model.dtype, kernels=self.recipe.model.kernels,
-                               token_budget=trainer_settings(self.recipe, stage).token_budget,
-                               seed=self.recipe.seed + first_step, run_dir=str(self.run_dir),
-                               log_metrics=self._log(stage), checkpoint=checkpoint,
-                               verifier_workers=self.recipe.resources.verifier_workers,
-                               cpus_per_verifier_worker=self.recipe.resources.cpus_per_verifier_worker)
-            frontier = self._frontier if stage.inherit.length_reward_state else None
-            runner = RLStageRunner(stage, ctx, first_version=first_step, frontier=frontier, **resume)
-            step = runner.run()
-            self._frontier = runner.final_frontier
-            return step
+            with self._reward_model(stage):
+                return self._run_rl_stage(stage, ranks, first_step, step, data_state, checkpoint)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.recipe.model.tokenizer_path or self.model_path)
         resume = {} if data_state is None else {"resume_step": step, "data_state": data_state}
         return run_sft_stage(stage, ranks, tokenizer, seed=stage.seed + self.recipe.seed, first_version=first_step,
                              log_metrics=self._log(stage), checkpoint=checkpoint, **resume)
+
+    def _run_rl_stage(self, stage, ranks: list, first_step: int, step: int, data_state: dict | None,
+                      checkpoint) -> int:
+        resume = {} if data_state is None else {"resume_version": step, "data_state": data_state}
+        ctx = StageContext(ranks=ranks, rollout_pool=self.rollout_pool, model_path=self.model_path,
+                           engine_dtype=self.recipe.model.dtype, kernels=self.recipe.model.kernels,
+                           token_budget=trainer_settings(self.recipe, stage).token_budget,
+                           seed=self.recipe.seed + first_step, run_dir=str(self.run_dir),
+                           log_metrics=self._log(stage), checkpoint=checkpoint,
+                           verifier_workers=self.recipe.resources.verifier_workers,
+                           cpus_per_verifier_worker=self.recipe.resources.cpus_per_verifier_worker)
+        frontier = self._frontier if stage.inherit.length_reward_state else None
+        runner = RLStageRunner(stage, ctx, first_version=first_step, frontier=frontier, **resume)
+        step = runner.run()
+        self._frontier = runner.final_frontier
+        return step
+
+    @contextlib.contextmanager
+    def _reward_model(self, stage):
+        """The recipe's reward-model actors, up while a stage with a reward-model environment runs."""
+        if not any(getattr(registry.get(spec.name).factory, "uses_reward_model", False) for spec in stage.environments):
+            yield
+            return
+        from zrl.reward_model import RewardModelPool
+
+        pool = RewardModelPool(self.recipe.reward_model, self.recipe.resources)
+        pool.start()
+        try:
+            yield
+        finally:
+            pool.stop()
 
     def _finish_stage(self, index: int, ranks: list, step: int, elapsed_s: float) -> None:
         """Export the stage's final policy, plot its metrics, then write its record (marks it finished)."""

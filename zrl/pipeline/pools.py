@@ -63,10 +63,12 @@ def reserve_pools(resources: Resources) -> tuple[Pool, Pool]:
     return rollout, trainer
 
 
-def light_actor(cls, *args, max_restarts: int = 0, num_cpus: float = 0, **kwargs):
-    """An actor outside the placement groups (buffer, verifiers), holding `num_cpus` (none by default)."""
-    return ray.remote(cls).options(num_cpus=num_cpus, max_restarts=max_restarts,
-                                   runtime_env={"env_vars": actor_env(1)}).remote(*args, **kwargs)
+def light_actor(cls, *args, max_restarts: int = 0, num_cpus: float = 0, num_gpus: float = 0,
+                name: str | None = None, **kwargs):
+    """An actor outside the placement groups (buffer, verifiers, reward models), holding `num_cpus` and
+    `num_gpus` (none by default); `name` makes it findable with ray.get_actor."""
+    return ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts, name=name,
+                                   runtime_env={"env_vars": actor_env(num_cpus)}).remote(*args, **kwargs)
 
 
 def release(pool: Pool) -> None:

@@ -14,6 +14,8 @@ Hangs. Each response is verified in a worker thread, one call at a time, and wai
 - a call that does not return in time gets reward 0 with the error `timeout after {timeout_s:g} s`.
   Its thread cannot be killed: it is abandoned (a daemon thread, so it never keeps the process alive)
   and the next call gets a new thread, so a hang costs the calls behind it at most one timeout;
+- an environment that verifies whole groups (`Environment.verify_group`, e.g. a batching reward model)
+  gets one call per group, timed at `timeout_s` per response; its timeout costs the group's rewards;
 - no thread is created per call while nothing hangs: one thread serves every call until it hangs.
 Abandoned threads that are still running are reported with every group (`VerifiedGroup.hung_threads`);
 each may keep spinning a CPU or holding memory, so the stage loop replaces a verifier whose count reaches
@@ -30,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from zrl.config.schema import EnvironmentSpec
-from zrl.env import Environment, safe_verify
+from zrl.env import safe_verify, safe_verify_group, verifies_groups
 from zrl.prompts import stage_environments
 from zrl.types import Prompt, Verification
 
@@ -92,7 +94,9 @@ class Verifier:
 
     def verify(self, prompt: Prompt, texts: list[str]) -> tuple[Verification, ...]:
         env = self.envs[prompt.env]
-        return tuple(self._verify_one(env, prompt, text) for text in texts)
+        if verifies_groups(env):  # one call for the group, timed as len(texts) calls
+            return self._call(safe_verify_group, (env, prompt, texts), self.timeout_s * len(texts), len(texts))
+        return tuple(self._call(safe_verify, (env, prompt, text), self.timeout_s, 1)[0] for text in texts)
 
     def verify_text(self, group) -> VerifiedGroup:
         """Verify a group's `GroupText` (the stage loop passes an object reference, which Ray resolves
@@ -103,13 +107,16 @@ class Verifier:
         return VerifiedGroup(verifications, time.perf_counter() - start, self.hung_threads,
                              self.timeouts - timeouts_before)
 
-    def _verify_one(self, env: Environment, prompt: Prompt, text: str) -> Verification:
-        future = self._worker.submit(safe_verify, env, prompt, text)
+    def _call(self, fn, args: tuple, timeout_s: float, responses: int) -> tuple[Verification, ...]:
+        """`fn(*args)` on the worker thread: its Verification(s), or reward 0 for each of the call's
+        `responses` when it runs past `timeout_s`."""
+        future = self._worker.submit(fn, *args)
         try:
-            return future.result(timeout=self.timeout_s)
+            result = future.result(timeout=timeout_s)
+            return result if isinstance(result, tuple) else (result,)
         except FutureTimeout:
-            self.timeouts += 1
+            self.timeouts += responses
             self._worker.abandon()
             self._abandoned.append(self._worker.thread)
             self._worker = _CallThread()
-            return Verification(reward=0.0, error=f"timeout after {self.timeout_s:g} s")
+            return tuple(Verification(reward=0.0, error=f"timeout after {timeout_s:g} s") for _ in range(responses))

@@ -102,8 +102,18 @@ def test_maxrl_requires_binary_rewards():
     data = minimal(environments=[{"name": "rm", "reward_type": "continuous"}])
     [line] = errors_of(data)
     assert "maxrl needs binary rewards" in line and "'rm'" in line
-    data["stages"][0]["algorithm"] = {"advantage": "grpo"}
+    data["stages"][0]["algorithm"] = {"advantage": "grpo", "length_reward": {"enabled": False}}
     assert parse_recipe(data).stages[0].algorithm.advantage == "grpo"
+
+
+def test_grpo_rejects_the_length_reward():
+    # The length bonus is on by default; GRPO divides by the group's std, which a pure length signal would blow up.
+    data = minimal(algorithm={"advantage": "grpo"})
+    [line] = errors_of(data)
+    assert line.startswith("stages[0]: algorithm.advantage=grpo takes no length reward") and \
+        "length_reward.enabled: false" in line
+    data["stages"][0]["algorithm"]["length_reward"] = {"enabled": False}
+    assert not parse_recipe(data).stages[0].algorithm.length_reward.enabled
 
 
 @pytest.mark.parametrize("sync, staleness, ok", [(2, 2, True), (2, 1, True), (3, 1, False), (1, 0, True), (4, 2, False)])

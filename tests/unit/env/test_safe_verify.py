@@ -72,3 +72,36 @@ def test_binary_environments_take_booleans_and_reject_fractions():
     assert verified(True, reward_type="binary") == Verification(reward=1.0)
     assert verified(0.5, reward_type="binary") == Verification(reward=0.0,
                                                                error="binary environment returned reward 0.5")
+
+
+class GroupReturns(Returns):
+    """verify_group returns (or raises) whatever the test put in `result`."""
+
+    def verify_group(self, prompt, responses):
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+def test_safe_verify_group_checks_each_result_like_safe_verify():
+    from zrl.env.base import safe_verify_group, verifies_groups
+
+    env = GroupReturns([0.25, Verification(reward=2.0), "x", Verification(reward=1, metadata={"reason": "ok"})])
+    assert verifies_groups(env) and not verifies_groups(Returns(0.5))
+    out = safe_verify_group(env, PROMPT, ["a", "b", "c", "d"])
+    assert [(v.reward, v.error) for v in out] == [
+        (0.25, None), (0.0, "reward 2.0 outside [0, 1]"), (0.0, "verify returned 'x' (str), not a number"),
+        (1.0, None)]
+    assert out[3].metadata == {"reason": "ok"}
+
+
+@pytest.mark.parametrize("result, error", [
+    (RuntimeError("reward model actor died"), "RuntimeError: reward model actor died"),
+    ([0.5], "verify_group returned 1 results for 2 responses"),
+    (None, "TypeError: 'NoneType' object is not iterable"),
+])
+def test_a_failing_group_call_costs_the_group_its_rewards(result, error):
+    from zrl.env.base import safe_verify_group
+
+    assert [(v.reward, v.error) for v in safe_verify_group(GroupReturns(result), PROMPT, ["a", "b"])] == \
+        [(0.0, error)] * 2

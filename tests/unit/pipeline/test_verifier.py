@@ -90,3 +90,33 @@ def test_a_verifier_that_always_raises_scores_every_rollout_zero_with_its_error(
     out = verifier(Raises).verify_text(group("k", "a", "b"))
     assert rewards(out) == [(0.0, "KeyError: 'a'"), (0.0, "KeyError: 'b'")]
     assert out.hung_threads == 0 and out.seconds >= 0.0
+
+
+class Groups(Hangs):
+    """Scores a whole group in one call (as a batching reward model does); "hang" in the group blocks it."""
+
+    name = "groups"
+    calls: list = []
+
+    def verify_group(self, prompt, responses):
+        type(self).calls.append(list(responses))
+        if "hang" in responses:
+            RELEASE.wait(timeout=60)
+        return [float(r == "a") for r in responses]
+
+
+def test_a_group_verifying_environment_gets_one_call_per_group_timed_per_response():
+    RELEASE.clear()
+    Groups.calls.clear()
+    v = verifier(Groups)
+    try:
+        assert rewards(v.verify_text(group("k", "a", "b", "a"))) == [(1.0, None), (0.0, None), (1.0, None)]
+        assert Groups.calls == [["a", "b", "a"]]
+        started = time.monotonic()
+        hung = v.verify_text(group("k", "a", "hang"))
+        # The group's call had 2 x 0.5 s; its timeout costs both rewards and counts both responses.
+        assert rewards(hung) == [(0.0, "timeout after 1 s")] * 2 and hung.timeouts == 2
+        assert time.monotonic() - started >= 1.0
+        assert rewards(v.verify_text(group("k", "a"))) == [(1.0, None)]  # a fresh thread serves the next group
+    finally:
+        RELEASE.set()
