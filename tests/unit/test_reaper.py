@@ -53,8 +53,8 @@ def test_a_stopped_reaper_kills_nothing():
         survivor.kill()
 
 
-# A Ray agent renames itself (Ray's setproctitle) with a title long enough to need the environment's memory.
-RENAMING_PROCESS = ("import sys, time, ray._raylet; ray._raylet.setproctitle('ray::DashboardAgent' + ' ' * 4000); "
+# A Ray agent renames itself (Ray's setproctitle); a title longer than any environment block needs all of its memory.
+RENAMING_PROCESS = ("import sys, time, ray._raylet; ray._raylet.setproctitle('ray::DashboardAgent' + ' ' * 2**20); "
                     "print('renamed', flush=True); time.sleep(600)")
 
 
