@@ -65,16 +65,18 @@ def renamed_process(env: dict) -> subprocess.Popen:
 
 
 def test_processes_renamed_by_ray_keep_the_driver_tag_readable():
+    # Without driver_environment's settings this rename hides the tag on this project's CPU box (measured: the
+    # environment block read back as empty entries); whether it does depends on the process's memory layout,
+    # so only the kept tag is asserted.
     from zrl.reaper import driver_environment
 
     tag = uuid.uuid4().hex
     with driver_environment(tag):
-        kept = renamed_process(dict(os.environ))
-        # The same rename without driver_environment's settings hides the tag: what this guards against.
-        hidden = renamed_process({k: v for k, v in os.environ.items() if k != "SPT_NOENV"})
+        renamed = renamed_process(dict(os.environ))
     try:
         assert DRIVER_TAG not in os.environ  # the block restores the environment
-        assert tagged_processes(tag) == [kept.pid]
+        with open(f"/proc/{renamed.pid}/cmdline", "rb") as f:
+            assert f.read().startswith(b"ray::DashboardAgent")
+        assert tagged_processes(tag) == [renamed.pid]
     finally:
-        kept.kill()
-        hidden.kill()
+        renamed.kill()
