@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from serving.routing_capture import RoutingRecorder
+from zrl.pipeline.weight_sync import release_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +183,10 @@ def _repacking_layer_by_layer(tensors: Iterator[tuple[str, torch.Tensor]], model
 
     vLLM's layer-wise reload processes a layer when its last tensor arrives, i.e. before it asks for
     the next tensor; repacking then (instead of every layer after the whole load) keeps one layer's
-    packed copy in flight instead of all of them.
+    packed copy in flight instead of all of them. The heap is trimmed at each layer boundary: the
+    layer's load and repack free chunks of sizes the next layer does not reuse, and glibc would keep
+    them (measured on a tiny 8-layer model: 1.5-3 MiB of growth per layer without the trim, a flat
+    peak of about one layer's transient with it).
     """
     pending = _cpu_moe_kernels(model)
     current = None
@@ -191,6 +195,7 @@ def _repacking_layer_by_layer(tensors: Iterator[tuple[str, torch.Tensor]], model
         if layer != current and current is not None:
             for key in [k for k in pending if _layer_prefix(k) == current]:
                 _repack(pending.pop(key))
+            release_host_memory()
         current = layer
         yield name, tensor
     for module in pending.values():  # what the last layer left (and anything not named by layer)

@@ -2,8 +2,8 @@
 
 After one training step the trainer streams its weights (bucketed, a bucket ~1/12 of the model) to both
 workers; their engines must then sample exactly what a fresh engine built from the same weights
-samples. Memory: the sender holds about a bucket beyond its shards, and no receiver a second copy of
-the whole model.
+samples. Memory: the sender holds about a bucket beyond its shards, a receiver about a bucket and two
+decoder layers (never a share of the whole model).
 """
 
 import json
@@ -20,13 +20,17 @@ HERE = Path(__file__).resolve().parent
 MODEL = dict(hidden_size=256, moe_intermediate_size=192, num_hidden_layers=8)  # ~20 MiB in fp32
 PROMPTS = [[3, 17, 40, 41, 99], [3, 250, 251], [3, 7, 7, 7, 300, 301, 302, 303]]
 # Peak extra memory = pages a process newly touches during the sync, over a heap trimmed at its start
-# (HostPeakMemory). Measured on the 2-core CPU box (model 22.3 MiB, bucket 1.86 MiB, largest tensor
-# 1.50 MiB, decoder layer 2.72 MiB), 5 runs: sender 5.1-6.2 MiB (bound: a bucket, the largest tensor being
-# gathered, and 4 MiB for the all-gather's and gloo's buffers); receiver 17.4-18.9 MiB, whole-model
-# receive through the object store 18.1-21.9 MiB. The receiver's figure is vLLM's CPU reload (it materialises
-# each loaded layer and repacks its experts), not the stream, which holds at most 2 buckets: the bound
-# only says that no receiver holds a second copy of the whole model.
+# (HostPeakMemory). Bounds: sender <= a bucket + the largest tensor being gathered + SLACK; receiver <=
+# a bucket + the largest tensor (its copy for the loader) + 2 decoder layers (vLLM's CPU reload
+# materialises a layer, then the MoE kernels repack its experts) + SLACK; SLACK covers the all-gather's
+# and gloo's buffers. The engine's first reload also allocates one-time state (FIRST_RELOAD_BYTES).
+# Measured on the 2-core CPU box (model 22.3 MiB, bucket 1.86 MiB, largest tensor 1.50 MiB, decoder layer
+# 2.72 MiB), 4 runs: sender 5.0-6.5 MiB (bound 7.4); receiver 10.0-10.7 MiB at the first sync (bound 16.8),
+# 8.4-9.0 at the second (bound 12.8). bench/weight_sync.py measures the same receiver figures on 16 and 32
+# layers: they do not grow with the model. The whole-model receive through the object store touches about
+# the model (21.8-22.8 MiB).
 SLACK_BYTES = 4 << 20
+FIRST_RELOAD_BYTES = 4 << 20
 
 
 def tensor_sizes(checkpoint: Path) -> dict[str, int]:
@@ -86,6 +90,7 @@ def test_streamed_sync_equals_a_fresh_engine_and_holds_no_second_model(tmp_path,
         form_group(ranks, workers)
         result = sync_collective(ranks, workers, "float32", bucket)
         after = [ray.get(w.sample.remote(PROMPTS, seed=11)) for w in workers]
+        again = sync_collective(ranks, workers, "float32", bucket)  # the engines' second reload: steady state
         whole = sync_object_store(ranks, workers, "float32", version=2)  # the same weights, the whole model at once
     finally:
         ray.shutdown()
@@ -102,8 +107,11 @@ def test_streamed_sync_equals_a_fresh_engine_and_holds_no_second_model(tmp_path,
                 for i in range(MODEL["num_hidden_layers"]))
     peaks = (f"model {model_bytes / 2**20:.1f} MiB, bucket {bucket / 2**20:.2f} MiB, largest tensor "
              f"{largest / 2**20:.2f} MiB, layer {layer / 2**20:.2f} MiB; peak extra: sender "
-             f"{result['sender_peak'] / 2**20:.2f} MiB, receiver {result['receiver_peak'] / 2**20:.2f} MiB, "
+             f"{result['sender_peak'] / 2**20:.2f} MiB, receiver {result['receiver_peak'] / 2**20:.2f} MiB "
+             f"(second sync {again['receiver_peak'] / 2**20:.2f} MiB), "
              f"whole-model receiver {whole['receiver_peak'] / 2**20:.2f} MiB")
     logging.getLogger(__name__).info(peaks)
     assert 0 <= result["sender_peak"] <= bucket + largest + SLACK_BYTES, peaks
-    assert 0 <= result["receiver_peak"] < model_bytes, peaks
+    receiver_bound = bucket + largest + 2 * layer + SLACK_BYTES
+    assert 0 <= again["receiver_peak"] <= receiver_bound, peaks
+    assert 0 <= result["receiver_peak"] <= receiver_bound + FIRST_RELOAD_BYTES, peaks
