@@ -20,12 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV_DIR = ROOT / "tests" / "integration" / "pipeline"
 
 
-def run(mode: str, steps: int, workdir: Path, model_dir: Path) -> dict:
-    import ray
-
+def recipe_for(mode: str, steps: int, workdir: Path, model_dir: Path):
+    """The tiny stage in `mode` ("async" or "sync"), running in workdir/mode."""
     from zrl.config import parse_recipe
-    from zrl.pipeline.controller import Cascade
-    from zrl.run import prepare_model
 
     sys.path.insert(0, str(ENV_DIR))
     from pipeline_testlib import recipe_data
@@ -35,7 +32,17 @@ def run(mode: str, steps: int, workdir: Path, model_dir: Path) -> dict:
     data = recipe_data(workdir / mode, model_dir, steps=steps, **asynchrony)
     data["stages"][0]["sampling"].update(prompts_per_batch=8, group_size=8, max_response_tokens=32)
     data["stages"][0]["checkpoint_every_steps"] = 10 * steps
-    recipe = parse_recipe(data)
+    return parse_recipe(data)
+
+
+def run(mode: str, steps: int, workdir: Path, model_dir: Path) -> dict:
+    import ray
+
+    from zrl.pipeline.controller import Cascade
+    from zrl.plan.calibrate import measured
+    from zrl.run import prepare_model
+
+    recipe = recipe_for(mode, steps, workdir, model_dir)
     model_path = prepare_model(recipe)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
     try:
@@ -44,26 +51,32 @@ def run(mode: str, steps: int, workdir: Path, model_dir: Path) -> dict:
         wall = time.perf_counter() - started
     finally:
         ray.shutdown()
-    rows = [json.loads(line) for line in (workdir / mode / "run" / "metrics.jsonl").read_text().splitlines()]
-    steady = rows[1:]  # the first step includes engine start-up and compilation
-    span = steady[-1]["time"] - rows[0]["time"]
-    mean = lambda key: sum(r[key] for r in steady) / len(steady)  # noqa: E731
-    return {"mode": mode, "steps": steps, "wall_s": wall, "steps_per_min": 60 * len(steady) / span,
-            "rollout_idle": mean("throughput/rollout_idle_frac"), "trainer_idle": mean("throughput/trainer_idle_frac"),
+    rows = metric_rows(workdir, mode)
+    # steps after the first (it includes engine start-up and compilation), as the stage report counts them
+    return {"mode": mode, "steps": steps, "wall_s": wall,
+            **measured(rows, recipe.stages[0].asynchrony.max_staleness_steps),
             "max_staleness": max(r["batch/max_staleness"] for r in rows)}
+
+
+def metric_rows(workdir: Path, mode: str) -> list[dict]:
+    return [json.loads(line) for line in (workdir / mode / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def each_mode(fn, steps: int) -> list:
+    """fn(mode, steps, workdir) for "sync" then "async", in one temporary directory (one tiny model)."""
+    os.environ["PYTHONPATH"] = str(ENV_DIR)
+    from zrl.runtime_env import apply_defaults
+
+    apply_defaults()
+    with tempfile.TemporaryDirectory() as tmp:
+        return [fn(mode, steps, Path(tmp)) for mode in ("sync", "async")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    os.environ["PYTHONPATH"] = str(ENV_DIR)
-    from zrl.runtime_env import apply_defaults
-
-    apply_defaults()
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        results = [run(mode, args.steps, tmp, tmp / "model") for mode in ("sync", "async")]
+    results = each_mode(lambda mode, steps, tmp: run(mode, steps, tmp, tmp / "model"), args.steps)
     for r in results:
         print(f"{r['mode']:5s}: {r['steps_per_min']:6.1f} steps/min | rollout idle {100 * r['rollout_idle']:4.0f}% | "
               f"trainer idle {100 * r['trainer_idle']:4.0f}% | max staleness {r['max_staleness']} | wall {r['wall_s']:.0f} s")

@@ -1,4 +1,4 @@
-"""The `zrl` command line: run, validate, envs, init-tiny-model.
+"""The `zrl` command line: run, validate, plan, envs, eval, init-tiny-model.
 
 Entry points stay thin: parsing and printing here, work in the library. A user's mistake (missing
 file, bad YAML, unknown field, wrong type, out-of-range value, a bad `--set`, and every problem
@@ -125,6 +125,51 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from zrl.plan.report import format_point, format_sweep, load_workload, plan_point, plot_sweep
+
+    recipe = _load(args)
+    stages = [s for s in recipe.stages if s.kind == "rl" and (args.stage is None or s.name == args.stage)]
+    if not stages:
+        return _error([f"--stage: no RL stage {args.stage!r} in {args.recipe}" if args.stage
+                       else f"{args.recipe}: stages: no RL stage to plan"])
+    for name, value in (("--trainer-gpus", args.trainer_gpus), ("--rollout-gpus", args.rollout_gpus), ("--steps", args.steps)):
+        if value is not None and value < (2 if name == "--steps" else 1):
+            return _error([f"{name}: must be >= {2 if name == '--steps' else 1}, got {value}"])
+    try:
+        ratios = [float(r) for r in args.sweep.split(",")] if args.sweep else []
+    except ValueError:
+        return _error([f"--sweep: expected ratios such as 1,2,3,4,5, got {args.sweep!r}"])
+    if any(r <= 0 for r in ratios):
+        return _error([f"--sweep: ratios must be > 0, got {args.sweep!r}"])
+    if not ratios and args.rollout_gpus is None:
+        return _error(["--rollout-gpus: required unless --sweep is given"])
+    stage, res = stages[0], recipe.resources
+    trainer_gpus = args.trainer_gpus or int(res.trainer_workers * (res.gpus_per_trainer_worker or 1))
+    steps = args.steps or min(stage.steps, 100)
+    try:
+        spec = load_workload(args.workload)
+
+        def point(rollout_gpus: int):
+            return plan_point(stage, spec, rollout_gpus=rollout_gpus, trainer_gpus=trainer_gpus,
+                              gpus_per_rollout_worker=res.gpus_per_rollout_worker, steps=steps, seed=args.seed)
+
+        if not ratios:
+            sys.stdout.write(f"stage {stage.name!r}, {steps} simulated steps\n{format_point(point(args.rollout_gpus))}\n")
+            return 0
+        points = []
+        for ratio in ratios:
+            points.append(point(round(ratio * trainer_gpus)))
+            log.info("ratio %g:1 simulated", ratio)
+    except ValueError as exc:
+        return _error([str(exc)])
+    sys.stdout.write(f"stage {stage.name!r}, {steps} simulated steps, trainer {trainer_gpus} GPU(s)\n"
+                     f"{format_sweep(points)}\n")
+    plot = plot_sweep(points, args.plot or f"plan-{recipe.name}-{stage.name}.png", f"{recipe.name}: {stage.name}")
+    sys.stdout.write(f"plot: {plot}\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zrl", description="Asynchronous RL post-training for MoE reasoning models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -146,6 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a recipe and print it resolved with defaults")
     recipe_args(p)
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("plan", help="simulate a stage's scheduling on a cluster: steps/hour, idle, staleness, "
+                                    "async vs sync")
+    recipe_args(p)
+    p.add_argument("--rollout-gpus", type=int, help="rollout pool GPUs (workers = GPUs / gpus_per_rollout_worker)")
+    p.add_argument("--trainer-gpus", type=int, help="trainer pool GPUs (default: the recipe's)")
+    p.add_argument("--sweep", metavar="RATIOS", help="rollout:trainer ratios to sweep, e.g. 1,2,3,4,5; writes a plot")
+    p.add_argument("--stage", help="RL stage to plan (default: the first)")
+    p.add_argument("--workload", help="workload YAML (zrl.plan.report.WorkloadSpec fields; default: ZAYA1-8B on H100)")
+    p.add_argument("--steps", type=int, help="simulated trainer steps (default: the stage's, at most 100)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", help="plot path for --sweep (default: plan-<recipe>-<stage>.png)")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("envs", help="list registered environments")
     p.set_defaults(func=cmd_envs)

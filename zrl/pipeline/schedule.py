@@ -6,9 +6,9 @@ workers on a simulated clock.
 
 Decisions (the buffer keeps its own: admission credit, staleness, capacity, readiness):
 - Rounds. A worker is idle when it runs no round and no sync. Idle workers wait for one credit answer
-  from the buffer (`wants_credit`), which `plan_rounds` shares out: each idle worker gets up to
-  `prompts_per_batch` new groups, and a worker with groups still in its engine runs a round even with
-  none new. In synchronous mode (max_staleness_steps = 0) no new group starts while a step trains or
+  from the buffer (`wants_credit`), which `plan_rounds` shares out evenly: each idle worker fills up to
+  ceil((in flight + credit) / workers) groups, at most `prompts_per_batch` new ones per round, and a
+  worker with groups still in its engine runs a round even with none new. In synchronous mode (max_staleness_steps = 0) no new group starts while a step trains or
   weights sync; groups already in an engine continue.
 - Training. One step at a time: a batch is asked for when no step trains and no request is pending
   (synchronous mode: and no sync runs). The policy version is the trainer's optimizer step count.
@@ -28,6 +28,7 @@ restart), the groups in its engine, whether a round or a sync is in flight.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -109,11 +110,15 @@ class StageSchedule:
         if credit is not None:
             self.credit_requested = False
         left = 0 if credit is None or self.paused else credit
+        # Even share-out: a worker fills up to its share of everything queued, so the credit (at most
+        # (staleness + 1) batches) spreads over the whole pool instead of filling the first workers'
+        # engines far past their running slots while the rest stand idle.
+        share = math.ceil((self.in_flight_groups() + left) / len(self.workers))
         launches = []
         for index, worker in enumerate(self.workers):
             if not worker.idle:
                 continue
-            new = min(left, self.prompts_per_batch)
+            new = max(0, min(left, self.prompts_per_batch, share - worker.groups_in_engine))
             if new == 0 and worker.groups_in_engine == 0:
                 continue
             left -= new

@@ -10,24 +10,41 @@ def schedule(workers=2, version=0, steps=6, prompts_per_batch=4, sync_every=2, s
                          prompts_per_batch=prompts_per_batch, sync_every_steps=sync_every, synchronous=synchronous)
 
 
-def test_credit_is_shared_among_idle_workers_up_to_a_batch_each():
+def test_credit_is_shared_evenly_among_idle_workers_up_to_a_batch_each():
     s = schedule(workers=3)
     assert s.wants_credit()
     s.credit_requested = True
     assert not s.wants_credit()  # one question at a time
-    assert s.plan_rounds(6) == [(0, 4), (1, 2)]  # worker 2 gets nothing and has nothing to continue
-    assert [w.groups_in_engine for w in s.workers] == [4, 2, 0]
-    assert s.in_flight_groups() == 6
-    assert s.wants_credit()  # worker 2 is still idle
-    assert s.plan_rounds(0) == []
+    assert s.plan_rounds(5) == [(0, 2), (1, 2), (2, 1)]  # ceil(5 / 3) each, in worker order
+    assert [w.groups_in_engine for w in s.workers] == [2, 2, 1]
+    assert s.in_flight_groups() == 5
+    assert not s.wants_credit()  # every worker runs a round
+    for index in range(3):
+        s.round_done(index, finished_groups=0, groups_in_engine=s.workers[index].groups_in_engine, policy_version=0)
+    assert s.wants_credit()
+    assert s.plan_rounds(0) == [(0, 0), (1, 0), (2, 0)]  # what is in the engines continues
+    s = schedule(workers=2)
+    assert s.plan_rounds(20) == [(0, 4), (1, 4)]  # never more than a batch per round
+
+
+def test_a_worker_fills_only_up_to_its_share_of_everything_queued():
+    s = schedule(workers=3)
+    s.plan_rounds(3)
+    for index in (1, 2):
+        s.workers[index].in_round = True  # workers 1 and 2 still in their round
+    s.round_done(0, finished_groups=0, groups_in_engine=1, policy_version=0)
+    # 3 in flight + 3 credit over 3 workers: worker 0 may hold 2, so it takes 1 and the rest waits
+    # for the other workers' round ends rather than piling into worker 0's engine.
+    assert s.plan_rounds(3) == [(0, 1)]
+    assert s.in_flight_groups() == 4
 
 
 def test_a_worker_with_groups_in_its_engine_continues_without_credit():
     s = schedule(workers=2)
     s.plan_rounds(4)
-    s.round_done(0, finished_groups=1, groups_in_engine=3, policy_version=0)
+    s.round_done(0, finished_groups=1, groups_in_engine=1, policy_version=0)
     assert s.verifying == 1 and s.in_flight_groups() == 4
-    assert s.plan_rounds(0) == [(0, 0)]
+    assert s.plan_rounds(0) == [(0, 0)]  # worker 1 is still in its round
     s.group_handed_on()
     assert s.in_flight_groups() == 3
 
@@ -110,7 +127,7 @@ def test_synchronous_mode_generates_while_the_trainer_waits_for_a_batch():
     s.worker_synced(1, 0)
     s.batch_requested = True  # asked for before any group exists: the answer will be "none yet"
     assert s.wants_credit()
-    assert s.plan_rounds(4) == [(0, 4)]
+    assert s.plan_rounds(4) == [(0, 2), (1, 2)]
 
 
 def test_a_credit_answer_during_a_synchronous_pause_does_not_stall_the_loop():

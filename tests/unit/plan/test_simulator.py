@@ -1,0 +1,115 @@
+"""The simulated stage: the real StageSchedule and RolloutBuffer driven by simulated workers."""
+
+import numpy as np
+import pytest
+
+from zrl.config.schema import RLStage
+from zrl.pipeline.schedule import StageSchedule
+from zrl.plan import ResponseLengths, RolloutEngine, TrainerModel, Workload, simulate, synchronous_variant
+
+
+def small_stage(**asynchrony) -> RLStage:
+    return RLStage(name="s", steps=40, environments=[{"name": "e"}],
+                   sampling={"prompts_per_batch": 8, "group_size": 4, "max_response_tokens": 256},
+                   asynchrony=asynchrony)
+
+
+def workload(trainer_tokens_per_s=2000.0, sync_s=0.2, zero_signal=0.1) -> Workload:
+    return Workload(lengths=ResponseLengths.from_median_p90(60, 150, 256),
+                    engine=RolloutEngine(step_s=0.01, per_sequence_s=0.001), prompt_tokens=20,
+                    trainer=TrainerModel(trainer_tokens_per_s, overhead_s=0.1), sync_s=sync_s,
+                    zero_signal_fraction=zero_signal)
+
+
+class RecordingSchedule(StageSchedule):
+    calls: list[str] = []
+
+    def plan_rounds(self, credit):
+        RecordingSchedule.calls.append("plan_rounds")
+        return super().plan_rounds(credit)
+
+    def step_done(self):
+        RecordingSchedule.calls.append("step_done")
+        return super().step_done()
+
+
+def test_drives_the_loops_schedule_and_buffer():
+    RecordingSchedule.calls = []
+    result = simulate(small_stage(), workload(), 2, steps=10, schedule_class=RecordingSchedule)
+    assert RecordingSchedule.calls.count("step_done") == 10
+    assert "plan_rounds" in RecordingSchedule.calls
+    assert result.buffer_counts["released_batches"] == 10  # the RolloutBuffer's own counter
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_conservation_of_groups(sync):
+    stage = synchronous_variant(small_stage()) if sync else small_stage()
+    r = simulate(stage, workload(), 3, steps=25)
+    c = r.buffer_counts
+    assert r.groups_started == c["received"] + r.groups_in_flight
+    assert c["received"] == c["dropped_zero_signal"] + c["admitted"]
+    assert c["admitted"] == c["released"] + c["evicted_capacity"] + c["evicted_stale"] + c["buffered"]
+    assert c["released"] == 25 * 8
+    assert c["dropped_zero_signal"] > 0  # the workload's zero-signal groups reach the buffer's filter
+
+
+def test_sync_mode_trains_no_stale_token():
+    r = simulate(synchronous_variant(small_stage()), workload(), 2, steps=20)
+    assert r.staleness_tokens == {0: 1.0}
+    assert r.staleness_rollouts == {0: 20 * 8 * 4}
+    assert r.syncs == 20  # the first sync, then after every step but the last
+
+
+def test_async_staleness_is_bounded_and_used():
+    r = simulate(small_stage(max_staleness_steps=2, sync_every_steps=2), workload(), 2, steps=30)
+    assert max(r.staleness_tokens) <= 2
+    assert r.staleness_tokens.get(1, 0) > 0
+    assert sum(r.staleness_rollouts.values()) == 30 * 8 * 4
+
+
+def test_instant_trainer_is_never_the_bottleneck():
+    instant = Workload(lengths=ResponseLengths(60, 0.5, 256), engine=RolloutEngine(0.01, 0.001),
+                       trainer=TrainerModel(1e12), prompt_tokens=20, sync_s=0.0)
+    r = simulate(small_stage(), instant, 2, steps=20)
+    assert r.trainer_idle_frac > 0.999
+
+
+def test_async_is_at_least_as_fast_as_sync():
+    stage, w = small_stage(), workload()
+    a = simulate(stage, w, 2, steps=30)
+    s = simulate(synchronous_variant(stage), w, 2, steps=30)
+    assert a.steps_per_hour >= s.steps_per_hour
+    assert a.trainer_idle_frac < s.trainer_idle_frac
+
+
+def test_deterministic_given_the_seed():
+    a = simulate(small_stage(), workload(), 2, steps=10, seed=3)
+    b = simulate(small_stage(), workload(), 2, steps=10, seed=3)
+    assert (a.steps_per_hour, a.buffer_counts) == (b.steps_per_hour, b.buffer_counts)
+
+
+def test_slower_trainer_lowers_throughput():
+    fast = simulate(small_stage(), workload(trainer_tokens_per_s=1e5), 2, steps=20)
+    slow = simulate(small_stage(), workload(trainer_tokens_per_s=200.0), 2, steps=20)
+    assert slow.steps_per_hour < fast.steps_per_hour
+    assert slow.trainer_idle_frac < fast.trainer_idle_frac
+
+
+def test_lengths_fit_median_and_p90():
+    lengths = ResponseLengths.from_median_p90(17600, 30000, 81920).sample(np.random.default_rng(0), 200_000)
+    assert np.median(lengths) == pytest.approx(17600, rel=0.01)
+    assert np.quantile(lengths, 0.9) == pytest.approx(30000, rel=0.01)
+    assert lengths.max() <= 81920
+
+
+def test_engine_throughput_saturates_and_falls_with_context():
+    e = RolloutEngine(step_s=0.005, per_sequence_s=3e-5, per_kv_token_s=1e-8, max_running_sequences=256)
+    rates = [e.tokens_per_s(n) for n in (1, 16, 128, 256, 1024)]
+    assert rates == sorted(rates) and rates[-1] == pytest.approx(rates[-2])  # capped at 256 running
+    assert e.tokens_per_s(128, kv_tokens=1e6) < e.tokens_per_s(128)
+
+
+def test_trainer_model_from_mfu():
+    t = TrainerModel.from_mfu(mfu=0.5, peak_flops=1e15, gpus=2, active_params=1e9, layers=1, attention_dim=1)
+    assert t.tokens_per_s == pytest.approx(1e15 / 6e9)
+    assert t.step_s(np.array([1000])) == pytest.approx(6e9 * 1000 / 1e15 + 6 * 1000**2 / 1e15)

@@ -1,0 +1,445 @@
+"""The RL stage's own scheduling on a simulated clock: `simulate(stage, workload, rollout_workers)`.
+
+The decisions are the real loop's objects, unchanged: `StageSchedule` (zrl.pipeline.schedule) decides
+rounds, training and syncs, `RolloutBuffer` (zrl.buffer) admits, paces (admission credit), evicts and
+releases. This module only replaces the transport (zrl.pipeline.rl_stage): Ray calls become events
+on a clock, vLLM engines become `_Engine`s driven by the workload's decode-step model, the trainer a
+step time. It calls the schedule and the buffer in the order the transport does; answers (credit,
+release) come back at once, and verification takes no time.
+
+What is modelled, and how:
+- A rollout worker runs back-to-back rounds of `round_s` (a round ends early when its engine runs
+  empty); finished groups are reported and admitted at the round's end; new groups start only at a
+  round's start. Rounds that report nothing, start nothing and carry no sync change nothing in the
+  schedule or the buffer, so they are not enacted one by one: a worker's chain of rounds is cut only
+  at the first round end after a group finished, when its engine empties, when a sync waits for it,
+  or when the buffer has credit to hand out (the earliest round end of any worker takes it).
+- A running engine advances all its sequences one token per decode step (continuous batching); the
+  step time depends on the running sequences and their KV tokens (workload.RolloutEngine), constant
+  between two sequence ends. A sequence's tokens carry the version its engine held at its start.
+- A weight sync is one collective: it starts when the trainer and every worker are free (a worker
+  after its current round), takes `sync_s`, and the trainer ranks train nothing meanwhile.
+- Groups are real `RolloutGroup`s whose arrays are zero-copy views of one zero array (only their
+  lengths and versions matter); the LZ77 canary is off in the simulation (it would flag the zeros),
+  the workload's `zero_signal_fraction` of groups get all-equal rewards instead.
+
+Invariants: the simulated stage ends when the schedule says it is done, else `simulate` raises
+(a stall); every group started is in an engine, admitted (buffer counts) or lost (never here);
+idle fractions and steps/hour are measured as zrl.pipeline.stage_report and bench/ measure them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from zrl.buffer import RolloutBuffer
+from zrl.config.schema import RLStage
+from zrl.pipeline.schedule import StageSchedule
+from zrl.plan.workload import Workload
+from zrl.types import Prompt, Rollout, RolloutGroup, Verification, stream_group_id
+
+EPS = 1e-9
+
+
+@dataclass
+class _Group:
+    group_id: str
+    version: int
+    lengths: np.ndarray       # [G] response tokens
+    left: int                 # sequences still decoding
+
+
+class _Engine:
+    """One worker's running sequences. `progress` is the tokens every running sequence has decoded
+    since the engine's first start; a sequence ends when progress reaches its `finish`."""
+
+    def __init__(self):
+        self.finish = np.zeros(0)             # [M] progress at which each sequence ends
+        self.base = np.zeros(0)               # [M] context tokens minus progress (context = base + progress)
+        self.group = np.zeros(0, dtype=np.int64)  # [M] index into the simulator's groups
+        self.progress = 0.0
+        # The chain of rounds in flight: its start and trajectory (valid until the next launch).
+        self.chain_start: float | None = None
+        self.done_at = np.zeros(0)            # [M] absolute end time of each sequence, in `order`
+        self.order = np.zeros(0, dtype=np.int64)
+        self.step_s = np.zeros(0)             # [M] decode-step time of each segment, in `order`
+        self.accounted_to = 0.0               # busy time is counted up to here
+        self.busy_s = 0.0                     # seconds with running sequences
+        self.version = 0                      # the policy version its weights hold
+        self.draws = 0                        # prompt draws made (group ids)
+        self.groups_in_engine = 0
+        self.event = 0                        # token of its live round-end event
+        self.event_time = math.inf
+        self.sync_ready: float | None = None  # when it joined the pending sync
+
+    @property
+    def empty_at(self) -> float:
+        return self.done_at[-1] if len(self.done_at) else (self.chain_start or 0.0)
+
+    def add(self, lengths: np.ndarray, prompt_tokens: int, group_index: np.ndarray) -> None:
+        self.finish = np.concatenate([self.finish, self.progress + lengths])
+        self.base = np.concatenate([self.base, np.full(len(lengths), prompt_tokens - self.progress)])
+        self.group = np.concatenate([self.group, group_index])
+
+    def start_chain(self, t: float, workload: Workload) -> None:
+        """Compute the trajectory from `t` on: sequence i's end time, segment by segment (between two
+        sequence ends the running set, and so the step time, is fixed; KV tokens at the segment start)."""
+        self.chain_start = self.accounted_to = t
+        self.order = np.argsort(self.finish, kind="stable")
+        f = self.finish[self.order]
+        m = len(f)
+        running = m - np.arange(m)                               # [M] sequences in segment k
+        kv_base = np.cumsum(self.base[self.order][::-1])[::-1]   # [M] sum of base over the running set
+        prev = np.concatenate([[self.progress], f[:-1]])
+        self.step_s = workload.engine.seconds_per_token(running, kv_base + running * prev)
+        self.done_at = t + np.cumsum((f - prev) * self.step_s)
+
+    def kv_tokens(self) -> float:
+        return float(self.base.sum() + len(self.base) * self.progress)
+
+    def advance(self, t: float) -> np.ndarray:
+        """End the chain at `t`: drop the sequences done by then, return their group indices."""
+        k = int(np.searchsorted(self.done_at, t + EPS, side="right"))
+        if k < len(self.done_at):
+            f = self.finish[self.order]
+            prev_f, prev_t = (f[k - 1], self.done_at[k - 1]) if k else (self.progress, self.chain_start)
+            self.progress = prev_f + (t - prev_t) / self.step_s[k]
+        elif k:
+            self.progress = self.finish[self.order[k - 1]]
+        done, keep = self.order[:k], np.sort(self.order[k:])
+        groups = self.group[done]
+        self.finish, self.base, self.group = self.finish[keep], self.base[keep], self.group[keep]
+        self.chain_start = None
+        self.done_at = np.zeros(0)
+        return groups
+
+    def count_busy(self, t: float) -> None:
+        """Add the seconds with running sequences since `accounted_to`, up to `t`, to `busy_s`."""
+        if self.chain_start is not None:
+            self.busy_s += max(0.0, min(t, self.empty_at) - self.accounted_to)
+        self.accounted_to = max(self.accounted_to, t)
+
+
+@dataclass
+class StepRow:
+    """One trainer step as the stage's metrics row would report it (a window since the previous step)."""
+
+    step: int
+    time_s: float
+    rollout_idle_frac: float
+    trainer_idle_frac: float
+    max_staleness: int
+    response_tokens: int
+
+
+@dataclass
+class PlanResult:
+    mode: str                          # "async" | "sync"
+    rollout_workers: int
+    steps: int
+    simulated_s: float
+    steps_per_hour: float              # over the steps after the first (as bench/ measures a run)
+    rollout_idle_frac: float           # mean of the per-step windows after the first
+    trainer_idle_frac: float
+    staleness_rollouts: dict[int, int]      # released rollouts per staleness (the buffer's histogram)
+    staleness_tokens: dict[int, float]      # fraction of trained response tokens per staleness
+    buffer_counts: dict[str, int]
+    groups_started: int
+    groups_in_flight: int              # at the end: started, neither admitted nor lost
+    syncs: int
+    peak_kv_tokens_per_worker: float
+    workers_used: int                  # workers that were given at least one group
+    rows: list[StepRow] = field(repr=False, default_factory=list)
+
+    @property
+    def evicted(self) -> int:
+        return self.buffer_counts["evicted_stale"] + self.buffer_counts["evicted_capacity"]
+
+
+def synchronous_variant(stage: RLStage) -> RLStage:
+    """The stage run synchronously, as zrl runs max_staleness_steps 0: generation paused while the
+    trainer steps or weights sync, every step synced, one ready batch."""
+    data = stage.model_dump()
+    data["asynchrony"].update(max_staleness_steps=0, sync_every_steps=1, min_ready_batches=1)
+    return RLStage.model_validate(data)
+
+
+class _Simulation:
+    def __init__(self, stage: RLStage, workload: Workload, rollout_workers: int, steps: int, seed: int,
+                 schedule_class: type[StageSchedule]):
+        if rollout_workers < 1:
+            raise ValueError(f"rollout_workers must be >= 1, got {rollout_workers}")
+        if steps < 2:
+            raise ValueError(f"steps must be >= 2 (the first step is excluded from rates), got {steps}")
+        a, s = stage.asynchrony, stage.sampling
+        self.workload, self.steps = workload, steps
+        self.group_size = s.group_size
+        self.rng = np.random.default_rng(seed)
+        self.schedule = schedule_class(num_workers=rollout_workers, policy_version=0, end_version=steps,
+                                      prompts_per_batch=s.prompts_per_batch, sync_every_steps=a.sync_every_steps,
+                                      synchronous=a.max_staleness_steps == 0)
+        # The canary would flag the zero token arrays; everything else is the stage's algorithm.
+        canaries = stage.algorithm.canaries.model_copy(
+            update={"lz77": stage.algorithm.canaries.lz77.model_copy(update={"enabled": False})})
+        algorithm = stage.algorithm.model_copy(update={"canaries": canaries})
+        self.buffer = RolloutBuffer(a, algorithm, s, stage_steps=steps)
+        self.engines = [_Engine() for _ in range(rollout_workers)]
+        self.groups: list[_Group] = []
+        self.events: list = []          # heap of (time, seq, kind, worker, token)
+        self._seq = 0
+        self.trainer_free = 0.0
+        self.release_t = 0.0
+        self.sync_version: int | None = None
+        self.syncs = 0
+        self.rows: list[StepRow] = []
+        self.window_start = 0.0
+        self.busy_before = 0.0          # rollout busy seconds before the current window
+        self.peak_kv = 0.0
+        self.staleness_tokens: dict[int, float] = {}
+        longest = s.max_response_tokens
+        self.prompt_ids = np.zeros(workload.prompt_tokens, dtype=np.int32)
+        self.tokens = np.zeros(longest, dtype=np.int32)
+        self.logprobs = np.zeros(longest, dtype=np.float32)
+        self.prompt = Prompt(env="plan", prompt_id="plan", messages=(), answer="", data_source="plan")
+        g = s.group_size
+        self.mixed = (Verification(1.0),) + (Verification(0.0),) * (g - 1)
+        self.flat = (Verification(0.0),) * g
+
+    # ------------------------------------------------------------------ events
+
+    def _push(self, t: float, kind: str, worker: int = -1, token: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (t, self._seq, kind, worker, token))
+
+    def _round_end_at(self, w: int, t: float) -> None:
+        """(Re)schedule worker w's next processed round end at `t` if that is sooner than its current one."""
+        e = self.engines[w]
+        if t < e.event_time - EPS:
+            e.event += 1
+            e.event_time = t
+            self._push(t, "round", w, e.event)
+
+    def _next_round_end(self, e: _Engine, t: float) -> float:
+        """The end of the round in flight at `t` (rounds tile time from the chain's start)."""
+        k = math.floor((t - e.chain_start) / self.workload.round_s + EPS) + 1
+        return min(e.chain_start + k * self.workload.round_s, max(e.empty_at, t))
+
+    def run(self) -> PlanResult:
+        s = self.schedule
+        self._start_sync(0.0)
+        t = 0.0
+        while not s.done:
+            if not self.events:
+                raise RuntimeError(f"the simulated stage stalled at step {s.policy_version} (t={t:.1f} s): "
+                                   f"{self.buffer.counts()}, in flight {s.in_flight_groups()}")
+            t, _, kind, w, token = heapq.heappop(self.events)
+            if kind == "round":
+                if token != self.engines[w].event:
+                    continue
+                self._on_round_end(w, t)
+            elif kind == "trained":
+                self._on_trained(t)
+            elif kind == "synced":
+                self._on_synced(t)
+            self._start_work(t)
+            self._wake_for_credit(t)
+        return self._result(t)
+
+    # ------------------------------------------------------------------ rounds
+
+    def _launch(self, launches: list[tuple[int, int]], t: float) -> None:
+        g, lengths = self.group_size, self.workload.lengths
+        for w, new in launches:
+            e = self.engines[w]
+            if new:
+                first = len(self.groups)
+                all_lengths = lengths.sample(self.rng, new * g).reshape(new, g)
+                for i in range(new):
+                    self.groups.append(_Group(stream_group_id(w, e.draws, i, "plan"), e.version, all_lengths[i], g))
+                e.draws += 1
+                e.groups_in_engine += new
+                e.add(all_lengths.ravel(), self.workload.prompt_tokens, np.repeat(np.arange(first, first + new), g))
+            self.peak_kv = max(self.peak_kv, e.kv_tokens())
+            e.start_chain(t, self.workload)
+            e.event_time = math.inf
+            self._schedule_chain(w)
+
+    def _schedule_chain(self, w: int) -> None:
+        """The first round end after one of the engine's groups finished (or when it runs empty)."""
+        e = self.engines[w]
+        if not len(e.done_at):
+            self._round_end_at(w, e.chain_start)
+            return
+        groups = e.group[e.order]
+        lowest = groups.min()
+        group_end = np.zeros(groups.max() - lowest + 1)   # 0: no sequence of that group here
+        np.maximum.at(group_end, groups - lowest, e.done_at)
+        first = group_end[group_end > 0].min()
+        self._round_end_at(w, self._next_round_end(e, first - EPS))
+
+    def _on_round_end(self, w: int, t: float) -> None:
+        s, e = self.schedule, self.engines[w]
+        e.event_time = math.inf
+        e.count_busy(t)
+        finished = []
+        for index in e.advance(t).tolist():
+            group = self.groups[index]
+            group.left -= 1
+            if group.left == 0:
+                finished.append(group)
+        e.groups_in_engine -= len(finished)
+        s.round_done(w, len(finished), e.groups_in_engine, e.version)
+        s.progressed()
+        for group in finished:
+            s.group_handed_on()
+            self.buffer.admit(self._rollout_group(group))
+            s.progressed()
+        if s.workers[w].syncing and e.sync_ready is None:
+            e.sync_ready = t
+            self._maybe_sync_ready()
+
+    def _rollout_group(self, group: _Group) -> RolloutGroup:
+        segments = ((0, group.version),)
+        longest = len(self.tokens)
+        rollouts = tuple(Rollout(self.prompt_ids, self.tokens[:n], self.logprobs[:n], None, segments,
+                                 "length" if n == longest else "stop") for n in group.lengths.tolist())
+        flat = self.rng.random() < self.workload.zero_signal_fraction
+        return RolloutGroup(group.group_id, self.prompt, rollouts, self.flat if flat else self.mixed)
+
+    def _wake_for_credit(self, t: float) -> None:
+        """Credit the buffer would give now is taken at the earliest round end of a running worker
+        (the real loop asks again after every round; rounds in between change nothing)."""
+        s = self.schedule
+        if s.paused or s.credit_requested:
+            return
+        if self.buffer.admission_credit(s.in_flight_groups(), s.generating_version()) <= 0:
+            return
+        candidates = [(self._next_round_end(e, t), w) for w, e in enumerate(self.engines)
+                      if e.chain_start is not None and not s.workers[w].syncing]
+        if candidates:
+            when, w = min(candidates)
+            self._round_end_at(w, when)
+
+    # ------------------------------------------------------------------ the loop's start_work
+
+    def _start_work(self, t: float) -> None:
+        """rl_stage's `_start_work` until it asks nothing more: both questions are asked before either
+        answer is read (credit first: the buffer actor answers one caller's calls in order)."""
+        s = self.schedule
+        while True:
+            launches, ask_credit = [], False
+            if s.paused:
+                launches = s.plan_rounds(None)
+                self._launch(launches, t)
+            elif s.wants_credit():
+                s.credit_requested = ask_credit = True
+            ask_batch = s.wants_batch()
+            if ask_batch:
+                s.batch_requested = True
+            if ask_credit:
+                self._launch(s.plan_rounds(self.buffer.admission_credit(s.in_flight_groups(),
+                                                                        s.generating_version())), t)
+            if ask_batch:
+                self._release(t)
+            if not (launches or ask_credit or ask_batch):
+                return
+
+    # ------------------------------------------------------------------ training and sync
+
+    def _release(self, t: float) -> None:
+        s = self.schedule
+        batch = self.buffer.take_batch(s.policy_version)
+        s.batch_answer(batch is not None)
+        if batch is None:
+            return
+        rollouts = batch.rollouts()
+        response = np.array([len(r.token_ids) for r in rollouts])
+        weights = np.bincount(batch.staleness, weights=response)
+        for staleness, tokens in enumerate(weights.tolist()):
+            if tokens:
+                self.staleness_tokens[staleness] = self.staleness_tokens.get(staleness, 0.0) + tokens
+        self.release_t = t
+        start = max(t, self.trainer_free)
+        self.trainer_free = start + self.workload.trainer.step_s(response + self.workload.prompt_tokens)
+        self.last_batch = (batch.max_staleness, int(response.sum()))
+        self._push(self.trainer_free, "trained")
+
+    def _on_trained(self, t: float) -> None:
+        s = self.schedule
+        sync_due = s.step_done()
+        self.buffer.set_trainer_step(s.policy_version)
+        if sync_due:
+            self._start_sync(t)
+        for e in self.engines:
+            e.count_busy(t)
+        total_busy = sum(e.busy_s for e in self.engines)
+        busy, self.busy_before = total_busy - self.busy_before, total_busy
+        window = max(t - self.window_start, EPS)
+        self.rows.append(StepRow(s.policy_version, t, max(0.0, 1 - busy / (window * len(self.engines))),
+                                 max(0.0, 1 - (t - self.release_t) / window), *self.last_batch))
+        self.window_start = t
+
+    def _start_sync(self, t: float) -> None:
+        s = self.schedule
+        s.sync_started()
+        self.sync_version = s.policy_version
+        self.sync_trainer_ready = max(t, self.trainer_free)
+        for w, e in enumerate(self.engines):
+            if s.workers[w].in_round:
+                e.sync_ready = None
+                self._round_end_at(w, self._next_round_end(e, t))
+            else:
+                e.sync_ready = t
+        self._maybe_sync_ready()
+
+    def _maybe_sync_ready(self) -> None:
+        if any(e.sync_ready is None for e in self.engines):
+            return
+        done = max([self.sync_trainer_ready] + [e.sync_ready for e in self.engines]) + self.workload.sync_s
+        self.trainer_free = done
+        for e in self.engines:
+            e.sync_ready = math.inf   # joined; cleared when the sync ends
+        self._push(done, "synced")
+
+    def _on_synced(self, t: float) -> None:
+        s = self.schedule
+        s.trainer_synced()
+        for w, e in enumerate(self.engines):
+            e.version = self.sync_version
+            e.sync_ready = None
+            s.worker_synced(w, self.sync_version)
+        self.syncs += 1
+
+    # ------------------------------------------------------------------ result
+
+    def _result(self, t: float) -> PlanResult:
+        steady = self.rows[1:]
+        span = steady[-1].time_s - self.rows[0].time_s
+        metrics = self.buffer.metrics()
+        a = self.buffer.asynchrony
+        hist = {k: int(metrics[f"staleness/{k}"]) for k in range(a.max_staleness_steps + 1)}
+        total = sum(self.staleness_tokens.values())
+        in_engines = sum(e.groups_in_engine for e in self.engines)
+        return PlanResult(
+            mode="sync" if self.schedule.synchronous else "async", rollout_workers=len(self.engines),
+            steps=self.steps, simulated_s=t, steps_per_hour=3600 * len(steady) / span,
+            rollout_idle_frac=float(np.mean([r.rollout_idle_frac for r in steady])),
+            trainer_idle_frac=float(np.mean([r.trainer_idle_frac for r in steady])),
+            staleness_rollouts=hist,
+            staleness_tokens={k: v / total for k, v in sorted(self.staleness_tokens.items())},
+            buffer_counts=self.buffer.counts(), groups_started=len(self.groups),
+            groups_in_flight=in_engines + self.schedule.verifying, syncs=self.syncs,
+            peak_kv_tokens_per_worker=self.peak_kv, workers_used=sum(e.draws > 0 for e in self.engines),
+            rows=self.rows)
+
+
+def simulate(stage: RLStage, workload: Workload, rollout_workers: int, *, steps: int | None = None,
+             seed: int = 0, schedule_class: type[StageSchedule] = StageSchedule) -> PlanResult:
+    """Run `steps` (default: the stage's) trainer steps of `stage` on `rollout_workers` simulated
+    rollout workers; the stage's asynchrony decides async vs sync (`synchronous_variant`).
+    `schedule_class`: the loop's StageSchedule, or a subclass that proposes another policy."""
+    return _Simulation(stage, workload, rollout_workers, steps or stage.steps, seed, schedule_class).run()
