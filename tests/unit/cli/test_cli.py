@@ -83,7 +83,7 @@ def test_run_refuses_a_missing_model_before_starting_anything(tmp_path):
         "*.safetensors) and build_tiny_if_missing is false",
         f"zrl: error: {tmp_path / 'r.yaml'}: stages[0].environments[0].name: unknown environment 'no_such_env'; "
         "valid names: arithmetic, chat_reward_model, code, code_auxiliary, hard_instruction_following, math, "
-        "reasoning_gym, simple_instruction_following, strings (or use a `module:Class` reference)"]
+        "reasoning_gym, rlve_gym, simple_instruction_following, strings (or use a `module:Class` reference)"]
 
 
 def test_envs_lists_entry_points_or_says_none():
