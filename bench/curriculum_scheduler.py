@@ -109,7 +109,7 @@ def simulate(mu_star: float, s_star: float, groups: int, seed: int, shift=None) 
     crossings = []
     for t in range(groups):
         mu = mu_star if shift is None or t < shift[0] else shift[1]
-        level = scheduler.propose()
+        level = scheduler.level()
         scheduler.update(level, int(rng.binomial(G, pass_rate(level, mu, s_star))), G)
         crossings.append(scheduler.crossing)
     return crossings
@@ -120,7 +120,7 @@ def simulate_drift(s_star: float, seed: int, groups: int = 130) -> list[float]:
     rng = np.random.default_rng(10_000 + seed)
     crossings = []
     for t in range(groups):
-        level = scheduler.propose()
+        level = scheduler.level()
         mu = 20 + 0.3 * max(t - 30, 0)
         scheduler.update(level, int(rng.binomial(G, pass_rate(level, mu, s_star))), G)
         crossings.append(scheduler.crossing)

@@ -4,11 +4,22 @@ trainer GPUs and rollout pools of 1-5x, async vs sync. The workload is WorkloadS
 (zrl/plan/report.py; every assumption is written out in bench/results/plan_zaya1.md).
 
 Each ratio is simulated async and sync; then one 1,000-step plan is timed on one CPU core.
+`--time` only times one async plan of `--steps` steps on the recipe's 48 rollout workers; with
+`--baseline DIR` the same plan is also timed with the zrl package found in DIR (e.g. an earlier commit
+unpacked by `git archive`), in a subprocess, and the ratio and whether both plans agree are printed
+(a digest of every field of the result, per-step rows included).
 
     .venv/bin/python bench/plan_zaya1.py [--steps 200] [--plot bench/results/plan_zaya1.png]
+    .venv/bin/python bench/plan_zaya1.py --time --steps 1000 [--baseline DIR]
 """
 
 import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
 import time
 
 from zrl.config.schema import RLStage
@@ -25,12 +36,51 @@ def zaya1_stage(steps: int) -> RLStage:
     return RLStage(name="zaya1_rl", steps=steps, environments=[{"name": "math"}])
 
 
+def timed_plan(steps: int) -> dict:
+    """Wall and CPU seconds of one async plan on 48 rollout workers, and a digest of its whole result."""
+    stage = zaya1_stage(steps)
+    workload = WorkloadSpec().build(stage, TRAINER_GPUS)
+    start, cpu = time.perf_counter(), time.process_time()
+    r = simulate(stage, workload, 3 * TRAINER_GPUS)
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    return {"wall_s": wall_s, "cpu_s": cpu_s, "groups": r.buffer_counts["received"],
+            "simulated_h": r.simulated_s / 3600,
+            "digest": hashlib.sha256(repr(dataclasses.asdict(r)).encode()).hexdigest()[:16]}
+
+
+def time_plans(steps: int, baseline: str | None) -> None:
+    def show(label: str, t: dict) -> None:
+        print(f"{label}: {steps}-step async plan, 48 rollout workers: {t['wall_s']:.1f} s wall, {t['cpu_s']:.1f} s CPU "
+              f"({t['groups']} groups through the buffer; {t['simulated_h']:.0f} simulated hours; digest {t['digest']})")
+
+    if baseline is not None:
+        env = {**os.environ, "PYTHONPATH": os.path.abspath(baseline)}
+        out = subprocess.run([sys.executable, __file__, "--time", "--json", "--steps", str(steps)], env=env,
+                             check=True, capture_output=True, text=True).stdout
+        before = json.loads(out.splitlines()[-1])
+        show(f"baseline ({baseline})", before)
+    now = timed_plan(steps)
+    show("this tree", now)
+    if baseline is not None:
+        print(f"speedup: {before['wall_s'] / now['wall_s']:.1f}x wall, {before['cpu_s'] / now['cpu_s']:.1f}x CPU; "
+              f"results {'identical' if before['digest'] == now['digest'] else 'DIFFER'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--timed-steps", type=int, default=1000)
     parser.add_argument("--plot", default="bench/results/plan_zaya1.png")
+    parser.add_argument("--time", action="store_true", help="only time one async plan of --steps steps")
+    parser.add_argument("--baseline", help="with --time: also time the plan with the zrl package in this folder")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # the baseline subprocess's answer
     args = parser.parse_args()
+    if args.json:
+        print(json.dumps(timed_plan(args.steps)))
+        return
+    if args.time:
+        time_plans(args.steps, args.baseline)
+        return
     stage, spec = zaya1_stage(args.steps), WorkloadSpec()
     w = spec.build(stage, TRAINER_GPUS)
     print(f"trainer: {w.trainer.tokens_per_s:.3g} tokens/s (dense part) over {TRAINER_GPUS} GPUs; "
@@ -52,12 +102,8 @@ def main() -> None:
         print(f"MFU {mfu:.0%} at ratio {best.ratio:g}: async {p.async_result.steps_per_hour:.2f} steps/h, sync "
               f"{p.sync_result.steps_per_hour:.2f}, speedup {p.speedup:.2f}x, trainer idle "
               f"{100 * p.async_result.trainer_idle_frac:.0f}%")
-    timed = zaya1_stage(args.timed_steps)
-    start, cpu = time.perf_counter(), time.process_time()
-    r = simulate(timed, spec.build(timed, TRAINER_GPUS), 3 * TRAINER_GPUS)
-    print(f"{args.timed_steps}-step async plan, 48 rollout workers: {time.perf_counter() - start:.1f} s wall, "
-          f"{time.process_time() - cpu:.1f} s CPU ({r.buffer_counts['received']} groups through the buffer; "
-          f"{r.simulated_s / 3600:.0f} simulated hours)")
+    time_plans(args.timed_steps, None)
+
 
 if __name__ == "__main__":
     main()

@@ -139,7 +139,7 @@ def main() -> None:
         lines += [f"Note: EXCLUDED names that passed this sweep: {', '.join(stale)}", ""]
     lines += ["## Notes", ""] + [f"- {note}" for note in NOTES] + [""]
     metrics = env.metrics()
-    lines += ["Counters: " + ", ".join(f"{key.split('/')[-1]} {int(value)}" for key, value in metrics.items()), ""]
+    lines += ["Counters: " + ", ".join(f"{key} {int(value)}" for key, value in metrics.items()), ""]
     Path(args.out).write_text("\n".join(lines))
 
 

@@ -18,6 +18,7 @@ class Arithmetic(Environment):
     name = "arithmetic"
     description = "integer a+b / a-b / a*b with tunable operand range (learnable by the tiny CPU model)"
     reward_type = "binary"
+    difficulty_levels = (0, 20)  # the operand bound doubles per level
 
     def __init__(self, max_operand: int = 20, ops: str = "+-"):
         unknown = set(ops) - set(_OPS)

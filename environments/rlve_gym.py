@@ -15,7 +15,9 @@ bench/rlve_gym_generation.py, each with its reason; naming one of those explicit
 environments; a section holding RLVE's `<answer></answer>` markers is scored as written) or
 "answer_tags" (RLVE's own `<answer>...</answer>` markers, after `</think>`); `levels` —
 starting level per environment name (default 0), used when `sample` gets no difficulty; a difficulty
-passed to `sample` is the level for every environment it draws; `generation_time_limit_s` and
+passed to `sample` is the level for every environment it draws, or a mapping name -> level that also
+restricts the draw to those names (adaptive difficulty keeps one scheduler per RLVE environment:
+`curriculum_tasks()`); `generation_time_limit_s` and
 `verify_time_limit_s` — wall-clock limits of one generation and one scoring.
 
 Invariants:
@@ -217,6 +219,7 @@ class RlveGym(Environment):
     name = "rlve_gym"
     description = "RLVE-Gym's ~400 adaptive verifiable problem generators, scored by their own checkers"
     reward_type = "binary"
+    difficulty_levels = (0, 50)  # controller updates; RLVE's controllers keep growing the parameters
 
     def __init__(self, environments: str | list[str] = "all", answer_format: str = "plain",
                  levels: Mapping[str, int] | None = None, generation_time_limit_s: float = 5.0,
@@ -251,20 +254,34 @@ class RlveGym(Environment):
                                       "scorer_timeouts"), 0)
         self._counts_lock = threading.Lock()
 
-    def level(self, name: str, difficulty: float | None) -> int:
-        """The level drawn for `name`: `difficulty` when given (an integer >= 0), else its starting level."""
+    def curriculum_tasks(self) -> tuple[str, ...]:
+        return tuple(self.environments)
+
+    def level(self, name: str, difficulty: float | Mapping[str, int] | None) -> int:
+        """The level drawn for `name`: `difficulty` when given (an integer >= 0, or `name`'s entry of a
+        mapping), else its starting level."""
         if difficulty is None:
             return self.levels.get(name, 0)
+        if isinstance(difficulty, Mapping):
+            difficulty = difficulty[name]
         if not float(difficulty).is_integer() or difficulty < 0:
             raise ValueError(f"difficulty must be an integer level >= 0; got {difficulty!r}")
         return int(difficulty)
 
-    def sample(self, n: int, seed: int, split: Split = "train", difficulty: float | None = None) -> list[Prompt]:
+    def sample(self, n: int, seed: int, split: Split = "train",
+               difficulty: float | Mapping[str, int] | None = None) -> list[Prompt]:
+        names = self.environments
+        if isinstance(difficulty, Mapping):
+            unknown = sorted(set(difficulty) - set(self.environments))
+            if unknown or not difficulty:
+                raise ValueError(f"difficulty: names {unknown} are not among this entry's environments"
+                                 if unknown else "difficulty: an empty mapping names no environment")
+            names = sorted(difficulty)
         prompts, failures_in_a_row, attempt = [], 0, 0
         while len(prompts) < n:
             rng = random.Random(f"{self.name}:{seed}:{split}:{len(prompts)}:{attempt}")
             attempt += 1
-            name = rng.choice(self.environments)
+            name = rng.choice(names)
             level = self.level(name, difficulty)
             prompt = self.problem(name, level, rng, split, f"{seed}:{len(prompts)}")
             if prompt is None:
@@ -332,7 +349,7 @@ class RlveGym(Environment):
     def metrics(self) -> dict[str, float]:
         """Counts since construction: generation failures/timeouts (skipped problems), scorer errors/timeouts."""
         with self._counts_lock:
-            return {f"{self.name}/{key}": float(value) for key, value in self._counts.items()}
+            return {key: float(value) for key, value in self._counts.items()}
 
     def close(self) -> None:
         """Stop the child processes (they are daemons, so they also end with this process)."""

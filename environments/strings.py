@@ -20,6 +20,7 @@ class StringTask(Environment):
     name = "strings"
     description = "copy or reverse a random word (tunable length; generalises to unseen words)"
     reward_type = "binary"
+    difficulty_levels = (0, 20)  # +2 letters per level
 
     def __init__(self, tasks: str | list[str] = "copy", min_letters: int = 3, max_letters: int = 5,
                  alphabet_size: int = 8):

@@ -166,6 +166,11 @@ class RolloutEngine:
     def tokenizer(self):
         return self._tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + generated tokens) the engine accepts."""
+        return self._engine.model_config.max_model_len
+
     def has_unfinished(self) -> bool:
         return bool(self._pending)
 

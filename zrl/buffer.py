@@ -266,9 +266,10 @@ class RolloutBuffer:
         task = group.task_rewards()                     # [G]
         lengths = group.response_lengths()              # [G]
         flags = self._canary_flags(group)               # [G]
-        zero = self.algorithm.canaries.lz77.zero_reward
-        rewards = np.array([repetition_gate(r, bool(f)) if zero else r for r, f in zip(task, flags)],
-                           dtype=np.float64)
+        if self.algorithm.canaries.lz77.zero_reward and flags.any():
+            rewards = np.array([repetition_gate(r, bool(f)) for r, f in zip(task, flags)], dtype=np.float64)
+        else:  # the gate changes nothing
+            rewards = task.copy()
         spec = self.algorithm.length_reward
         if spec.enabled:
             bonus = length_rewards(rewards, lengths, l_max=self.sampling.max_response_tokens,
@@ -289,8 +290,8 @@ class RolloutBuffer:
                                         bonus if spec.enabled else None)
         for a in (rewards, bonus, advantages, flags):
             a.flags.writeable = False
-        scored = replace(group, rewards=rewards, length_bonuses=bonus, advantages=advantages,
-                         canary_flags=flags)
+        scored = RolloutGroup(group.group_id, group.prompt, group.rollouts, group.verifications, rewards=rewards,
+                              length_bonuses=bonus, advantages=advantages, canary_flags=flags)
         entry = _Entry((scored.min_version, self._arrivals), scored)
         self._arrivals += 1
         bisect.insort(self._entries, entry, key=lambda e: e.key)
@@ -308,24 +309,27 @@ class RolloutBuffer:
     def _record_received(self, group: RolloutGroup, task: np.ndarray, rewards: np.ndarray,
                          flags: np.ndarray, lengths: np.ndarray, bonus: np.ndarray) -> None:
         g = group.size
+        flagged, errors = int(flags.sum()), group.num_verifier_errors
+        task_sum, gated_sum = float(task.sum()), float(rewards.sum())
+        bonus_rollouts = int(np.count_nonzero(bonus))
         c = self._counts
         c["received"] += 1
         c["rollouts_received"] += g
-        c["canary_flagged"] += int(flags.sum())
-        c["verifier_errors"] += group.num_verifier_errors
+        c["canary_flagged"] += flagged
+        c["verifier_errors"] += errors
         w = self._window
         w.groups += 1
         w.rollouts += g
-        w.reward_sum += float(task.sum())
-        w.gated_reward_sum += float(rewards.sum())
-        w.flagged += int(flags.sum())
-        w.verifier_errors += group.num_verifier_errors
+        w.reward_sum += task_sum
+        w.gated_reward_sum += gated_sum
+        w.flagged += flagged
+        w.verifier_errors += errors
         w.length_sum += int(lengths.sum())
         w.bonus_sum += float(bonus.sum())
-        w.bonus_rollouts += int(np.count_nonzero(bonus))
-        w.bonus_groups += int(bool(np.any(bonus)))
+        w.bonus_rollouts += bonus_rollouts
+        w.bonus_groups += int(bonus_rollouts > 0)
         env = w.env_reward[group.prompt.env]
-        env[0] += float(task.sum())
+        env[0] += task_sum
         env[1] += g
         for v in group.verifications:
             reason = v.metadata.get("reason")
@@ -333,7 +337,7 @@ class RolloutBuffer:
                 w.reasons[group.prompt.env, reason.replace(" ", "_")] += 1
         # The frontier sees earlier observation batches only: accumulate, flush every B groups.
         pending = self._pending_solve.setdefault(group.prompt.data_source, [0.0, 0])
-        pending[0] += float(rewards.sum())
+        pending[0] += gated_sum
         pending[1] += g
         self._pending_groups += 1
         if self._pending_groups >= self.batch_groups:

@@ -1,4 +1,4 @@
-"""The `zrl` command line: run, validate, plan, envs, eval, init-tiny-model.
+"""The `zrl` command line: run, validate, plan, envs, eval, ttc, init-tiny-model.
 
 Entry points stay thin: parsing and printing here, work in the library. A user's mistake (missing
 file, bad YAML, unknown field, wrong type, out-of-range value, a bad `--set`, and every problem
@@ -100,6 +100,17 @@ def _run_command(args) -> str:
     return f"zrl run {shlex.quote(args.recipe)}{sets}{address}"
 
 
+def _options(text: str | None) -> dict | str:
+    """The `--options` mapping of an environment, or the one-line reason it is not one."""
+    try:
+        options = yaml_value(text) if text else {}
+    except yaml.YAMLError:
+        return f"--options: not YAML: {text!r}"
+    if not isinstance(options, dict):
+        return f"--options: expected a mapping such as '{{max_operand: 20}}', got {text!r}"
+    return options
+
+
 def cmd_eval(args) -> int:
     import dataclasses
     import json
@@ -107,12 +118,9 @@ def cmd_eval(args) -> int:
     from zrl.config.schema import EnvironmentSpec, RewardModelSpec
     from zrl.evaluate import evaluate
 
-    try:
-        options = yaml_value(args.options) if args.options else {}
-    except yaml.YAMLError:
-        return _error([f"--options: not YAML: {args.options!r}"])
-    if not isinstance(options, dict):
-        return _error([f"--options: expected a mapping such as '{{max_operand: 20}}', got {args.options!r}"])
+    options = _options(args.options)
+    if isinstance(options, str):
+        return _error([options])
     reward_model = None if args.reward_model is None else RewardModelSpec(path=args.reward_model, dtype=args.dtype)
     try:
         result = evaluate(args.checkpoint, EnvironmentSpec(name=args.env, options=options),
@@ -122,6 +130,30 @@ def cmd_eval(args) -> int:
     except (ValueError, FileNotFoundError) as exc:  # bad options, a missing reward model: one line
         return _error([str(exc)])
     sys.stdout.write(json.dumps(dataclasses.asdict(result)) + "\n")
+    return 0
+
+
+def cmd_ttc(args) -> int:
+    import json
+
+    from serving.rsa import RSAConfig, evaluate_rsa
+    from zrl.config.schema import EnvironmentSpec
+
+    options = _options(args.options)
+    if isinstance(options, str):
+        return _error([options])
+    try:
+        config = RSAConfig(num_candidates=args.population, num_aggregated=args.aggregate, num_rounds=args.rounds,
+                           thinking_budget=args.thinking_budget, tail_tokens=args.tail_tokens,
+                           answer_budget=args.answer_budget, temperature=args.temperature, top_p=args.top_p,
+                           seed=args.seed, hybrid=args.hybrid)
+        result = evaluate_rsa(args.checkpoint, EnvironmentSpec(name=args.env, options=options), config,
+                              num_prompts=args.num_prompts, dtype=args.dtype)
+    except (ValueError, FileNotFoundError) as exc:  # bad settings or options: one line
+        return _error([str(exc)])
+    result.write_jsonl(args.output)
+    for round_index in range(config.num_rounds + 1):
+        sys.stdout.write(json.dumps(result.round_summary(round_index)) + "\n")
     return 0
 
 
@@ -221,6 +253,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-model", help="reward-model checkpoint directory, for reward-model environments "
                                           "(scored in this process)")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("ttc", help="Markovian RSA test-time compute on an environment's held-out split: one "
+                                   "JSON line per round, candidates to a JSONL")
+    p.add_argument("checkpoint", help="Hugging Face zaya checkpoint directory")
+    p.add_argument("--env", required=True, help="environment name or module:Class")
+    p.add_argument("--options", help="environment options as YAML, e.g. '{max_operand: 20}'")
+    p.add_argument("--num-prompts", type=int, default=50)
+    p.add_argument("--population", "-N", type=int, default=16, help="N, candidates per problem and round")
+    p.add_argument("--aggregate", "-C", type=int, default=4, help="C, candidates per aggregation prompt")
+    p.add_argument("--rounds", "-T", type=int, default=2, help="T, aggregation rounds after the first samples")
+    p.add_argument("--thinking-budget", type=int, default=256, help="beta, generated tokens per candidate")
+    p.add_argument("--tail-tokens", type=int, default=64, help="tau, tokens of a candidate's reasoning tail")
+    p.add_argument("--answer-budget", type=int, default=32, help="tokens of a forced answer (0: none)")
+    p.add_argument("--hybrid", action="store_true", help="finished candidates forward their answer, not a tail")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--output", default="ttc.jsonl", help="JSONL of every candidate (default: ttc.jsonl)")
+    p.set_defaults(func=cmd_ttc)
 
     p = sub.add_parser("init-tiny-model", help="build the tiny CPU tokenizer + zaya checkpoint")
     p.add_argument("dir")

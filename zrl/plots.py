@@ -1,8 +1,8 @@
 """The stage-end summary figure: one PNG per stage from the run's metrics.jsonl.
 
 `plot_stage_summary` selects the rows of one stage (the `stage/index` every row carries) and draws one
-panel per group of series: reward, loss, canaries, staleness, engine/trainer mismatch, throughput and
-response lengths. Only series present in those rows are drawn, and a panel with none is left out, so an
+panel per group of series: reward, loss, canaries, staleness, engine/trainer mismatch, throughput,
+response lengths and the adaptive-difficulty levels and solve rates. Only series present in those rows are drawn, and a panel with none is left out, so an
 SFT stage gets loss and throughput panels and an RL stage the rest. A step where a series has no value
 (e.g. `reward/mean` when no group arrived in that window) is simply not a point of that series;
 non-finite values (written as strings by the JSONL sink) are gaps.
@@ -30,6 +30,8 @@ class Panel:
     log_scale: bool = False
 
 
+MAX_PREFIX_SERIES = 12  # a panel draws at most this many of its prefix's series (e.g. one per RLVE task)
+
 PANELS = (
     Panel("reward", "mean reward", ("reward/mean", "reward/gated_mean")),
     Panel("loss", "loss", ("loss/policy", "loss/sft")),
@@ -40,6 +42,10 @@ PANELS = (
           log_scale=True),
     Panel("throughput", "tokens / s", ("throughput/rollout_tokens_per_s", "perf/tokens_per_s")),
     Panel("response length", "tokens", ("lengths/response_mean",), prefix="lengths/"),
+    Panel("curriculum: level", "difficulty level", prefix="curriculum/", contains="/difficulty"),
+    Panel("curriculum: solve rate at the level", "fraction of responses", prefix="curriculum/",
+          contains="/solve_rate"),
+    Panel("environment counters", "count since the stage started", prefix="environment/"),
 )
 
 
@@ -74,7 +80,7 @@ def panel_series(panel: Panel, rows: list[dict]) -> dict[str, tuple[list[int], l
     if panel.prefix:
         extra = sorted({k for r in rows for k in r if k.startswith(panel.prefix) and panel.contains in k
                         and k not in names})
-        names += extra
+        names += extra[:MAX_PREFIX_SERIES]
     out = {}
     for name in names:
         points = [(int(r["step"]), _number(r[name])) for r in rows if name in r]

@@ -179,6 +179,8 @@ def _environments(stage, where: str, tokenizer: _Tokenizer, findings: Findings, 
         if env is None:
             continue
         keys.append(spec.key or env.name)
+        if not _difficulty(env, spec, entry, findings):
+            continue
         prompts = _sample(env, spec, entry, findings)
         if prompts is None:
             continue
@@ -216,13 +218,36 @@ def _build(spec, entry: str, findings: Findings):
     return None
 
 
+def _difficulty(env, spec, entry: str, findings: Findings) -> bool:
+    """False after a finding: a difficulty set for an environment that takes none, or outside its levels."""
+    if spec.difficulty is None:
+        return True
+    levels = env.difficulty_levels
+    if levels is None:
+        findings.problems.append((f"{entry}.difficulty", f"{spec.name!r} takes no difficulty level (its "
+                                                         "`difficulty_levels` is None)"))
+        return False
+    low, high = levels
+    if isinstance(spec.difficulty, int) and not low <= spec.difficulty <= high:
+        findings.problems.append((f"{entry}.difficulty", f"{spec.difficulty} is outside the levels of {spec.name!r} "
+                                                         f"({low}..{high})"))
+        return False
+    for bound in ("min_level", "max_level"):
+        value = spec.curriculum.get(bound)
+        if value is not None and not low <= value <= high:
+            findings.problems.append((f"{entry}.curriculum.{bound}", f"{value} is outside the levels of {spec.name!r} "
+                                                                     f"({low}..{high})"))
+            return False
+    return True
+
+
 def _sample(env, spec, entry: str, findings: Findings):
     """SAMPLE_SIZE prompts drawn as the run draws them (zrl.prompts), or None after a finding."""
     from zrl.env.base import EnvironmentFault
-    from zrl.prompts import checked_sample
+    from zrl.prompts import checked_sample, fixed_level
 
     try:
-        return checked_sample(env, spec.key or env.name, SAMPLE_SIZE, SAMPLE_SEED)
+        return checked_sample(env, spec.key or env.name, SAMPLE_SIZE, SAMPLE_SEED, fixed_level(spec))
     except EnvironmentFault as exc:
         findings.problems.append((entry, str(exc)))
         return None

@@ -13,16 +13,22 @@ prompt it draws (`Prompt.env`), so whoever verifies or demonstrates a prompt fin
 made it (`stage_environments`), even when one environment is listed twice with different options, and
 per-environment metrics are named by it.
 
+An entry with `difficulty: N` is drawn at level N; one with `difficulty: adaptive` at the level the
+stage's curriculum hands the draw (`levels`; zrl/pipeline/stage_curriculum.py), which is stamped on its
+prompts so the level a group was generated at comes back with it.
+
 An environment whose `sample` raises or returns anything but the prompts asked for stops the stage with
 an `EnvironmentFault` naming the entry's key, the call and what came back (no prompt stream can go on
 without it; a retry would draw the same failing call, since `sample` is deterministic).
 """
 
+import collections
 import dataclasses
 import hashlib
 import inspect
 import random
 import reprlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from zrl.config.schema import EnvironmentSpec
@@ -81,12 +87,14 @@ def stage_environments(environments: list[EnvironmentSpec]) -> dict[str, Environ
     return {e.key: e.env for e in build_entries(environments)}
 
 
-def checked_sample(env: Environment, key: str, n: int, seed: int) -> list[Prompt]:
-    """`env.sample(n, seed)`, checked: exactly `n` Prompt objects, else an `EnvironmentFault` naming the
-    entry `key` and what came back (a stage cannot go on without prompts)."""
-    call = f"environment {key!r}: sample({n}, seed={seed})"
+def checked_sample(env: Environment, key: str, n: int, seed: int,
+                   difficulty: int | Mapping[str, int] | None = None) -> list[Prompt]:
+    """`env.sample(n, seed, difficulty=difficulty)`, checked: exactly `n` Prompt objects, else an
+    `EnvironmentFault` naming the entry `key` and what came back (a stage cannot go on without prompts)."""
+    level = "" if difficulty is None else f", difficulty={difficulty}"
+    call = f"environment {key!r}: sample({n}, seed={seed}{level})"
     try:
-        prompts = env.sample(n, seed=seed)
+        prompts = env.sample(n, seed=seed, difficulty=difficulty)
     except Exception as exc:  # a plugin's bug: one line naming it, the traceback kept as the cause
         raise EnvironmentFault(f"{call} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(prompts, (list, tuple)):
@@ -101,6 +109,14 @@ def checked_sample(env: Environment, key: str, n: int, seed: int) -> list[Prompt
     return list(prompts)
 
 
+def fixed_level(spec: EnvironmentSpec) -> int | None:
+    """The level a recipe entry draws every prompt at (`difficulty: N`), or None."""
+    return spec.difficulty if isinstance(spec.difficulty, int) else None
+
+
+Assignment = int | list[tuple[str, int]]  # an adaptive entry's level for a draw, or its (task, level) proposals
+
+
 def _derived_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:8], "little")
 
@@ -111,17 +127,44 @@ class PromptSource:
         self.seed = seed
         self.draws = 0
 
-    def next_prompts(self, n: int) -> list[Prompt]:
+    def next_prompts(self, n: int, levels: Mapping[str, Assignment] | None = None) -> list[Prompt]:
         """The next `n` prompts of the stream (one draw), each stamped with its entry's key."""
+        return [prompt for prompt, _ in self.draw(n, levels)]
+
+    def draw(self, n: int, levels: Mapping[str, Assignment] | None = None) -> list[tuple[Prompt, tuple[str, int] | None]]:
+        """The next `n` prompts (one draw), each with the (scheduler key, level) it was drawn at when its
+        entry is adaptive. `levels`, by adaptive entry key: its level for this draw, or for an entry with
+        curriculum tasks a list of (task, level) proposals, used in order (scheduler key `<key>/<task>`);
+        the level is stamped as `Prompt.difficulty`. An adaptive entry missing from `levels` is drawn at
+        the environment's default."""
         rng = random.Random(_derived_seed(self.seed, self.draws, "mixture"))
         weights = [e.spec.weight for e in self.entries]
         picks = rng.choices(range(len(self.entries)), weights=weights, k=n)
-        per_env = {i: picks.count(i) for i in sorted(set(picks))}
-        drawn = {i: iter(checked_sample(self.entries[i].env, self.entries[i].key, count,
-                                          _derived_seed(self.seed, self.draws, i)))
-                 for i, count in per_env.items()}
+        drawn = {}
+        for i in sorted(set(picks)):
+            entry, count = self.entries[i], picks.count(i)
+            level = (levels or {}).get(entry.key) if entry.spec.difficulty == "adaptive" else None
+            seed = _derived_seed(self.seed, self.draws, i)
+            if level is None:
+                prompts = checked_sample(entry.env, entry.key, count, seed, fixed_level(entry.spec))
+                drawn[i] = iter([(dataclasses.replace(p, env=entry.key), None) for p in prompts])
+            elif isinstance(level, int):
+                prompts = checked_sample(entry.env, entry.key, count, seed, level)
+                drawn[i] = iter([(dataclasses.replace(p, env=entry.key, difficulty=level), (entry.key, level))
+                                 for p in prompts])
+            else:
+                drawn[i] = iter(self._draw_tasks(entry, level[:count], seed))
         self.draws += 1
-        return [dataclasses.replace(next(drawn[i]), env=self.entries[i].key) for i in picks]
+        return [next(drawn[i]) for i in picks]
+
+    def _draw_tasks(self, entry: MixtureEntry, proposals: list[tuple[str, int]], seed: int):
+        """One prompt per (task, level) proposal, in order: one `sample` call per distinct proposal."""
+        counts = collections.Counter(proposals)
+        made = {(task, level): iter(checked_sample(entry.env, entry.key, k, _derived_seed(seed, task, level),
+                                                   {task: level}))
+                for (task, level), k in counts.items()}
+        return [(dataclasses.replace(next(made[p]), env=entry.key, difficulty=p[1]), (f"{entry.key}/{p[0]}", p[1]))
+                for p in proposals]
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "draws": self.draws}

@@ -69,6 +69,9 @@ class Rollout:
     version_segments: tuple[tuple[int, int], ...]
     finish_reason: str                # "stop" | "length" | "abort"
     text: str = ""                    # decoded response, what the verifier reads
+    # The oldest policy version that produced a response token (staleness is measured from it); derived
+    # once here, since the buffer and every released batch read it per rollout.
+    min_version: int = field(init=False, repr=False)
 
     def __post_init__(self):
         r = len(self.token_ids)
@@ -76,9 +79,15 @@ class Rollout:
             raise ValueError(f"logprobs has {len(self.logprobs)} entries for {r} response tokens")
         if self.routing is not None and self.routing.shape[0] != len(self.prompt_ids) + r:
             raise ValueError(f"routing has {self.routing.shape[0]} rows for {len(self.prompt_ids) + r} tokens")
-        starts = [s for s, _ in self.version_segments]
+        segments = self.version_segments
+        if len(segments) == 1 and segments[0][0] == 0:  # no weight sync during the rollout: the common case
+            object.__setattr__(self, "min_version", segments[0][1])
+            return
+        starts = [s for s, _ in segments]
         if not starts or starts[0] != 0 or starts != sorted(set(starts)):
-            raise ValueError(f"version_segments must start at token 0 and increase: {self.version_segments}")
+            raise ValueError(f"version_segments must start at token 0 and increase: {segments}")
+        covered = [v for s, v in segments if s < r]
+        object.__setattr__(self, "min_version", min(covered) if covered else segments[0][1])
 
     def token_versions(self) -> np.ndarray:
         """[Tr] int64 policy version of every response token."""
@@ -88,19 +97,13 @@ class Rollout:
             versions[start:end] = version
         return versions
 
-    @property
-    def min_version(self) -> int:
-        """The oldest policy version that produced a response token (staleness is measured from it)."""
-        covered = [v for s, v in self.version_segments if s < len(self.token_ids)]
-        return min(covered) if covered else self.version_segments[0][1]
-
 
 @dataclass(frozen=True, eq=False)
 class RolloutGroup:
     """The G rollouts of one prompt with their verifications; the buffer's unit of admission and release.
 
-    A rollout worker builds it with the first four fields. The buffer's admitted form (made with
-    `dataclasses.replace`) also carries, per rollout ([G] arrays, read-only): `rewards` = task rewards
+    A rollout worker builds it with the first four fields. The buffer's admitted form (the same four
+    fields, constructed again) also carries, per rollout ([G] arrays, read-only): `rewards` = task rewards
     after the repetition gate, `length_bonuses` = Δr, `advantages` (broadcast to every response token
     by the trainer) and `canary_flags` = LZ77 repetition flags. Either all four are set or none.
     """

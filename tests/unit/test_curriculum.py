@@ -32,7 +32,7 @@ def simulate(scheduler, groups, mu_star, s_star, seed, shift=None):
     trace = []
     for t in range(groups):
         mu = mu_star if shift is None or t < shift[0] else shift[1]
-        level = scheduler.propose()
+        level = scheduler.level()
         assert scheduler.update(level, int(rng.binomial(G, pass_rate(level, mu, s_star))), G)
         trace.append((scheduler.crossing, scheduler.calibrated))
     return trace
@@ -90,7 +90,7 @@ def test_a_learner_that_never_succeeds_settles_at_the_lowest_level():
         with np.errstate(over="raise", invalid="raise", divide="raise"):
             levels = []
             for _ in range(200):
-                levels.append(scheduler.propose())
+                levels.append(scheduler.level())
                 scheduler.update(levels[-1], 0, G)
         assert levels[10:] == [0] * 190
         assert scheduler.crossing < LEVELS.min_level
@@ -107,7 +107,7 @@ def test_a_learner_that_never_succeeds_settles_at_the_lowest_level():
 def test_weights_stay_normalised(seed, reports):
     scheduler = DifficultyScheduler(SchedulerConfig(min_level=0, max_level=120, pool_size=32, s_min=0.01), seed)
     for group_size, outcome in reports:
-        level = scheduler.propose()
+        level = scheduler.level()
         k = {"none": 0, "all": group_size, "half": group_size // 2, "one": 1}[outcome]
         assert scheduler.update(level, k, group_size)
         w = scheduler.weights
@@ -120,7 +120,7 @@ def test_resampling_replaces_the_pool_and_keeps_the_history():
     scheduler = DifficultyScheduler(SchedulerConfig(min_level=0, max_level=120, ess_fraction=1.0), 0)
     accepted = []
     for k in [3, 16, 0, 9, 8, 12]:
-        level = scheduler.propose()
+        level = scheduler.level()
         mu_before = scheduler.mu
         scheduler.update(level, k, G)
         accepted.append((level, k, G))
@@ -132,7 +132,7 @@ def test_resampling_replaces_the_pool_and_keeps_the_history():
 def test_history_keeps_the_most_recent_groups():
     scheduler = DifficultyScheduler(SchedulerConfig(history_size=3), 0)
     for k in range(5):
-        scheduler.update(scheduler.propose(), k, G)
+        scheduler.update(scheduler.level(), k, G)
     assert [k for _, k, _ in scheduler.history] == [2, 3, 4]
 
 
@@ -243,3 +243,33 @@ def test_bad_reports_and_states_are_one_clear_line():
         Curriculum({}, seed=0)
     with pytest.raises(ValueError, match=r"^state.version: expected 1 \(got None\)$"):
         make_curriculum(0).load_state_dict({})
+
+
+def test_groups_in_flight_share_the_current_level_and_the_first_back_updates_it():
+    # The pipeline generates several groups of one environment before any comes back: they must all be
+    # at the environment's current level, so that the first to return updates the scheduler (which then
+    # proposes the next level; the rest come back stale unless the new level happens to be the same).
+    curriculum = Curriculum({"e": SchedulerConfig(min_level=0, max_level=120)}, seed=0)
+    in_flight = [curriculum.next() for _ in range(8)]
+    assert len({p.difficulty for p in in_flight}) == 1
+    assert curriculum.report("e", in_flight[0].difficulty, 8, G)
+    proposed = curriculum.schedulers["e"].difficulty
+    assert curriculum.report("e", in_flight[1].difficulty, 8, G) == (proposed == in_flight[0].difficulty)
+
+
+def test_groups_per_level_lets_a_round_of_groups_count_before_the_level_moves():
+    config = SchedulerConfig(min_level=0, max_level=120, groups_per_level=4)
+    scheduler = DifficultyScheduler(config, seed=0)
+    level = scheduler.level()
+    for i in range(3):  # all solved: each moves the belief up, but the level stays until the 4th
+        assert scheduler.update(level, G, G)
+        assert scheduler.difficulty == level
+    assert scheduler.update(level, G, G)
+    assert scheduler.difficulty > level and scheduler.n_updates == 4
+    assert not scheduler.update(level, G, G)  # a fifth group of the old level is stale
+    restored = DifficultyScheduler(config, seed=1)
+    restored.load_state_dict(json.loads(json.dumps(scheduler.state_dict())))
+    assert restored.update(restored.level(), 0, G) and scheduler.update(scheduler.level(), 0, G)
+    assert restored.state_dict() == scheduler.state_dict()
+    with pytest.raises(ValueError, match="^SchedulerConfig.groups_per_level: must be >= 1"):
+        SchedulerConfig(groups_per_level=0)

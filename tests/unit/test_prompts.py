@@ -71,3 +71,27 @@ def test_a_misbehaving_sample_is_one_environment_fault_naming_the_entry(fault, w
     with pytest.raises(EnvironmentFault, match=rf"^environment 'bad': sample\(3, seed=\d+\) {what}$"):
         source.next_prompts(3)
     assert source.state_dict()["draws"] == 0  # the failed draw is not counted
+
+
+def test_a_fixed_difficulty_reaches_the_environment():
+    easy = PromptSource([EnvironmentSpec(name="strings", options={"tasks": "copy", "min_letters": 3, "max_letters": 3})],
+                        seed=0).next_prompts(8)
+    hard = PromptSource([EnvironmentSpec(name="strings", options={"tasks": "copy", "min_letters": 3, "max_letters": 3},
+                                         difficulty=2)], seed=0).next_prompts(8)
+    assert {len(p.answer) for p in easy} == {3}
+    assert {len(p.answer) for p in hard} == {7}  # +2 letters per level
+    assert {p.difficulty for p in hard} == {2}
+
+
+def test_an_adaptive_entry_is_drawn_at_the_level_handed_to_the_draw():
+    copy = {"tasks": "copy", "min_letters": 3, "max_letters": 3}
+    specs = [EnvironmentSpec(name="strings", key="adaptive", options=copy, difficulty="adaptive"),
+             EnvironmentSpec(name="strings", key="fixed", options=copy, difficulty=1)]
+    prompts = PromptSource(specs, seed=0).next_prompts(32, levels={"adaptive": 3, "fixed": 9})
+    by_key = collections.defaultdict(set)
+    for p in prompts:
+        by_key[p.env].add((len(p.answer), p.difficulty))
+    assert by_key["adaptive"] == {(9, 3)}   # 3 + 2 x 3 letters, the level stamped
+    assert by_key["fixed"] == {(5, 1)}      # a fixed level ignores what the curriculum hands out
+    unlevelled = PromptSource(specs[:1], seed=0).next_prompts(4)
+    assert {len(p.answer) for p in unlevelled} == {3}  # no level handed: the environment's default

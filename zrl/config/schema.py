@@ -15,6 +15,7 @@ Invariants:
 - This module imports no torch, ray or vllm: `zrl validate` must work in a light environment.
 """
 
+from difflib import get_close_matches
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -124,6 +125,38 @@ class EnvironmentSpec(Strict):
     reward_type: Literal["binary", "continuous"] | None = Field(
         None, description="declared reward type; when unset it is read from the environment class")
     options: dict = Field(default_factory=dict, description="keyword arguments for the environment constructor")
+    difficulty: int | str | None = Field(
+        None, description="the level every prompt is drawn at, for environments that take one; `adaptive`: the "
+                          "stage's difficulty scheduler picks each group's level to keep the policy near "
+                          "`curriculum.target_pass_rate`; unset: the environment's own default")
+    curriculum: dict = Field(
+        default_factory=dict, description="adaptive-difficulty settings, fields of zrl.curriculum.SchedulerConfig "
+                                          "(min_level/max_level default to the environment's levels); only with "
+                                          "difficulty: adaptive")
+
+    @field_validator("difficulty")
+    @classmethod
+    def _a_level_or_adaptive(cls, value):
+        if value is not None and value != "adaptive" and not (isinstance(value, int) and value >= 0):
+            raise ValueError(f"must be an integer level >= 0 or 'adaptive' (got {value!r})")
+        return value
+
+    @model_validator(mode="after")
+    def _curriculum_settings(self):
+        from zrl.curriculum import SchedulerConfig
+
+        if self.curriculum and self.difficulty != "adaptive":
+            raise ValueError("curriculum: settings for the difficulty scheduler need difficulty: adaptive")
+        for name in self.curriculum:
+            if name not in SchedulerConfig.__dataclass_fields__:
+                close = get_close_matches(name, list(SchedulerConfig.__dataclass_fields__), n=3)
+                raise ValueError(f"curriculum.{name}: unknown setting" + (f"; did you mean {', '.join(close)}?"
+                                                                           if close else ""))
+        try:
+            SchedulerConfig(**self.curriculum)
+        except ValueError as exc:  # "SchedulerConfig.<field>: <reason>"
+            raise ValueError(f"curriculum.{str(exc).removeprefix('SchedulerConfig.')}") from None
+        return self
 
 
 # vLLM raises a temperature in (0, 0.01) to 0.01 and samples greedily at 0.
@@ -283,6 +316,8 @@ class Inherit(Strict):
 
     optimizer_state: bool = Field(False, description="AdamW moments (Muon has none when momentum is 0)")
     length_reward_state: bool = Field(True, description="running max solve rate per data source")
+    curriculum: bool = Field(True, description="the difficulty schedulers of adaptive entries with the same key "
+                                               "(their posteriors and current levels; no new calibration)")
 
 
 class StageBase(Strict):

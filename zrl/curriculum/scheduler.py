@@ -12,7 +12,11 @@ log-normal), s clipped to [s_min, s_max]; weights start uniform.
 - update(d, k, G): a group of G problems at level d came back with k solved. Only when d is the
   current difficulty: w_m <- w_m * Binomial(k; G, p_m(d)) for every candidate, renormalised in log
   space, and (d, k, G) appended to the history. A group generated at an older difficulty (the pipeline
-  is asynchronous) is still trained on by the caller but changes nothing here.
+  is asynchronous) is still trained on by the caller but changes nothing here. After
+  `groups_per_level` accepted groups at the current difficulty, the next one is proposed. The default,
+  1, moves after every group; when many groups of one environment are in flight at once (a small
+  stage with few environments), all but the first to return would come back stale, and a larger value
+  lets a whole round of them count before the level moves.
 - When the effective sample size 1 / sum(w^2) falls below `ess_fraction * M`, the pool is resampled
   with replacement by weight, jittered (a Gaussian kernel scaled to the pool's spread, with a floor) so
   it does not collapse, a `fresh_fraction` of it redrawn from the prior so that a policy that moved far
@@ -77,6 +81,8 @@ class SchedulerConfig:
     calibration_groups: int = 4
     calibration_span: float = 2.0            # levels; the recent groups' levels lie within max(this, mean s)
     calibration_band: float = 0.25           # pooled solve rate of the recent groups within target +- this
+    calibration_max_groups: int = 32         # a stage's calibration waits at most this many groups for it
+    groups_per_level: int = 1                # accepted groups at the current difficulty before the next proposal
 
     def __post_init__(self):
         def fail(field: str, reason: str):
@@ -90,9 +96,13 @@ class SchedulerConfig:
                 fail(field.name, f"must be finite (got {value})")
         if self.min_level > self.max_level:
             fail("min_level", f"must be <= max_level (got {self.min_level} > {self.max_level})")
-        for name in ("pool_size", "history_size", "calibration_groups"):
+        for name in ("pool_size", "history_size", "calibration_groups", "calibration_max_groups",
+                     "groups_per_level"):
             if getattr(self, name) < 1:
                 fail(name, f"must be >= 1 (got {getattr(self, name)})")
+        if self.calibration_max_groups < self.calibration_groups:
+            fail("calibration_max_groups", f"must be >= calibration_groups (got {self.calibration_max_groups} < "
+                                           f"{self.calibration_groups})")
         for name in ("prior_s_median", "s_min", "history_half_life", "calibration_span"):
             if getattr(self, name) <= 0:
                 fail(name, f"must be > 0 (got {getattr(self, name)})")
@@ -153,8 +163,14 @@ class DifficultyScheduler:
         self._n_updates = 0
         self._n_resamples = 0
         self._calibrated = False
+        self._at_level = 0                                 # accepted groups at the current difficulty
 
     # --- decisions ---------------------------------------------------------------------------------
+
+    def level(self) -> int:
+        """The current difficulty, every new group's level (proposed on first use, and again after
+        `groups_per_level` accepted updates): groups in flight keep the level they were generated at."""
+        return self._difficulty if self._difficulty is not None else self.propose()
 
     def propose(self) -> int:
         """Thompson-sample a candidate and return the level it predicts the target pass rate at."""
@@ -165,6 +181,7 @@ class DifficultyScheduler:
             target = self._rng.uniform(target - cfg.explore_halfwidth, target + cfg.explore_halfwidth)
         level = self._mu[j] + self._s[j] * math.log((1 - target) / target)
         self._difficulty = int(np.clip(np.rint(level), cfg.min_level, cfg.max_level))
+        self._at_level = 0
         return self._difficulty
 
     def update(self, difficulty: int, successes: int, group_size: int) -> bool:
@@ -185,6 +202,9 @@ class DifficultyScheduler:
             self._resample()
         if not self._calibrated:
             self._calibrated = self._calibration_evidence()
+        self._at_level += 1
+        if self._at_level >= cfg.groups_per_level:
+            self.propose()
         return True
 
     # --- the pool ----------------------------------------------------------------------------------
@@ -289,7 +309,8 @@ class DifficultyScheduler:
                 "rng": self._rng.bit_generator.state, "mu": self._mu.tolist(), "s": self._s.tolist(),
                 "log_weights": self._log_w.tolist(), "difficulty": self._difficulty,
                 "history": [list(h) for h in self._history], "n_updates": self._n_updates,
-                "n_resamples": self._n_resamples, "calibrated": self._calibrated}
+                "n_resamples": self._n_resamples, "calibrated": self._calibrated,
+                "at_level": self._at_level}
 
     def load_state_dict(self, state: Mapping) -> None:
         check_version(state)
@@ -309,6 +330,7 @@ class DifficultyScheduler:
         self._n_updates = state["n_updates"]
         self._n_resamples = state["n_resamples"]
         self._calibrated = state["calibrated"]
+        self._at_level = state["at_level"]
 
 
 def check_version(state: Mapping) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,14 +46,16 @@ class Curriculum:
                            for name in self.names}
         self._counts = np.zeros(len(self.names), dtype=np.int64)
 
-    def next(self) -> Proposal:
-        """Pick an environment and propose its difficulty (that level becomes its current one)."""
-        logits = -(self._counts - self._counts.min()) / self.selection_temperature
-        weights = np.exp(logits)
-        i = self._rng.choice(len(self.names), p=weights / weights.sum())
+    def next(self, among: Sequence[str] | None = None) -> Proposal:
+        """Pick an environment (least-sampled most likely; from `among` only, when given) and hand out its
+        current difficulty."""
+        index = np.arange(len(self.names)) if among is None else np.array([self.names.index(a) for a in among])
+        counts = self._counts[index]
+        weights = np.exp(-(counts - counts.min()) / self.selection_temperature)
+        i = index[self._rng.choice(len(index), p=weights / weights.sum())]
         self._counts[i] += 1
         name = self.names[i]
-        return Proposal(name, self.schedulers[name].propose())
+        return Proposal(name, self.schedulers[name].level())
 
     def report(self, environment: str, difficulty: int, successes: int, group_size: int) -> bool:
         """A verified group came back; False when its difficulty is stale (then nothing changes)."""

@@ -54,10 +54,14 @@ class Environment(ABC):
     name: ClassVar[str]
     description: ClassVar[str] = ""
     reward_type: ClassVar[RewardType] = "binary"
+    # (lowest, highest) integer level `sample(difficulty=...)` takes; None: it takes no difficulty (a
+    # recipe that sets one for it is an error). Adaptive difficulty schedules within these levels.
+    difficulty_levels: ClassVar[tuple[int, int] | None] = None
 
     @abstractmethod
     def sample(self, n: int, seed: int, split: Split = "train", difficulty: float | None = None) -> list[Prompt]:
-        """`n` prompts, deterministic in (n, seed, split, difficulty)."""
+        """`n` prompts, deterministic in (n, seed, split, difficulty). An environment with
+        `curriculum_tasks()` also takes a mapping task -> level: draw only from those tasks, each at its level."""
 
     @abstractmethod
     def verify(self, prompt: Prompt, response: str) -> float | Verification:
@@ -70,6 +74,17 @@ class Environment(ABC):
     def demonstration(self, prompt: Prompt) -> str | None:
         """A reference response for supervised warm starts, or None when the environment has none."""
         return None
+
+    def curriculum_tasks(self) -> tuple[str, ...] | None:
+        """The tasks that each get their own difficulty scheduler under `difficulty: adaptive` (e.g. the
+        generators of a many-task environment), or None: one scheduler for the whole environment."""
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """The environment's own counters since construction (e.g. problems whose generation failed), by
+        name. A stage logs those of its rollout workers' instances, which draw the prompts, as
+        `environment/<key>/<name>` summed over the workers."""
+        return {}
 
 
 class EnvironmentFault(RuntimeError):

@@ -20,7 +20,7 @@ Resume (`zrl run --resume`, a `ResumePoint` read from latest.json at trainer ste
 - The trainer ranks start with stage k's settings and load the checkpoint (model, optimizer moments,
   LR schedule, RNG; DCP reshards to any rank count). If s < last_k, stage k continues from step s with
   its data state restored: the SFT prompt-source draws, or the RL buffer's counters, frontier and
-  staleness histogram and each rollout worker's prompt-source position (buffered and in-flight groups
+  staleness histogram, the difficulty schedulers and each rollout worker's prompt-source position (buffered and in-flight groups
   were not saved: fresh groups are generated in their place). If s == last_k and stage k has no
   record, only its end is redone (export, plot, record: the weights are the checkpoint's). Later stages
   then run as in an uninterrupted cascade (`set_settings` with their `inherit` rule).
@@ -163,6 +163,7 @@ class Cascade:
         self.trainer_pool: Pool | None = None
         self.metrics: MetricsLogger | None = None
         self._frontier: dict | None = None  # running max solve rates at the end of the last RL stage
+        self._curriculum: dict | None = None  # difficulty-scheduler state at the end of the last RL stage
 
     def run(self) -> int:
         """Run every stage (from the resume point, if any); returns the final trainer step."""
@@ -282,9 +283,10 @@ class Cascade:
                            verifier_workers=self.recipe.resources.verifier_workers,
                            cpus_per_verifier_worker=self.recipe.resources.cpus_per_verifier_worker)
         frontier = self._frontier if stage.inherit.length_reward_state else None
-        runner = RLStageRunner(stage, ctx, first_version=first_step, frontier=frontier, **resume)
+        curriculum = self._curriculum if stage.inherit.curriculum else None
+        runner = RLStageRunner(stage, ctx, first_version=first_step, frontier=frontier, curriculum=curriculum, **resume)
         step = runner.run()
-        self._frontier = runner.final_frontier
+        self._frontier, self._curriculum = runner.final_frontier, runner.final_curriculum
         return step
 
     @contextlib.contextmanager

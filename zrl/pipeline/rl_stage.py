@@ -17,6 +17,10 @@ Data plane (the driver sees ids, counts, versions and metrics only):
 Every value the driver does fetch goes through `_fetch`, which counts rollout-array bytes in it
 (`driver/rollout_array_bytes`, expected to stay 0).
 
+Adaptive difficulty (zrl/pipeline/stage_curriculum.py): the driver owns the stage's difficulty
+schedulers; every round it launches carries the adaptive entries' current levels, and every verified
+group drawn at one is reported to them before it goes to the buffer (while they calibrate, instead).
+
 Weight sync (zrl.pipeline.weight_sync): over a collective group formed at the first sync (trainer rank
 0 + every rollout worker; loopback on one machine), or through the object store when
 `sync_transport: object_store` or when the group cannot be formed (logged once, with the reason).
@@ -59,8 +63,10 @@ from zrl.pipeline.schedule import StageSchedule
 from zrl.pipeline.stage_calls import (AdmitCall, CheckedCall, CreditCall, ReleaseCall, RoundCall, TrainCall,
                                       TrainerSyncCall, VerifyCall, WorkerSyncCall, call_errors, group_was_lost,
                                       rollout_bytes_in)
+from zrl.pipeline.stage_curriculum import StageCurriculum, adaptive_entries
 from zrl.pipeline.stage_report import StageCounters, progress_line, step_metrics
 from zrl.pipeline.verifier_pool import VerifierPool
+from zrl.prompts import build_entries
 from zrl.types import Verification
 
 log = logging.getLogger("zrl")
@@ -89,10 +95,11 @@ class StageContext:
 
 class RLStageRunner:
     def __init__(self, stage: RLStage, ctx: StageContext, first_version: int, resume_version: int | None = None,
-                 data_state: dict | None = None, frontier: dict | None = None):
+                 data_state: dict | None = None, frontier: dict | None = None, curriculum: dict | None = None):
         """Trains the stage's steps from policy version `first_version` (or, with a checkpoint's
         `data_state`, from `resume_version`, the ranks already holding its weights). `frontier`: the
-        running max solve rates a previous stage ended with (recipe `inherit.length_reward_state`)."""
+        running max solve rates a previous stage ended with (recipe `inherit.length_reward_state`);
+        `curriculum`: the previous stage's difficulty-scheduler state (recipe `inherit.curriculum`)."""
         self.stage, self.ctx = stage, ctx
         a = stage.asynchrony
         version = first_version if resume_version is None else resume_version
@@ -104,6 +111,7 @@ class RLStageRunner:
         self.workers = [self._start_worker(i, version) for i in range(n)]
         ctx.rollout_pool.actors = self.workers
         self.worker_states: list[dict] = [{} for _ in range(n)]  # from each worker's latest round
+        self.environment_counts: list[dict] = [{} for _ in range(n)]  # ... and its environments' counters
         self.lost_at_seq: list[int | None] = [None] * n           # call seq at which a worker's death was handled
         self.deaths = [0] * n
         inherited = SolveRateFrontier()
@@ -111,6 +119,12 @@ class RLStageRunner:
         self.buffer = light_actor(RolloutBuffer, stage.asynchrony, stage.algorithm, stage.sampling,
                                   stage_steps=stage.steps, first_version=first_version, frontier=inherited)
         self.final_frontier: dict = dict(frontier or {})  # set from the buffer when the stage closes
+        # only the adaptive entries' environments are built here (their levels and tasks)
+        adaptive = adaptive_entries(build_entries([e for e in stage.environments if e.difficulty == "adaptive"]))
+        self.curriculum = StageCurriculum(adaptive, seed=ctx.seed) if adaptive else None
+        if self.curriculum is not None and curriculum:
+            self.curriculum.inherit(curriculum)
+        self.final_curriculum: dict | None = curriculum  # set when the stage closes, when it has adaptive entries
         self.verifiers = VerifierPool(stage.environments, a.verifier_timeout_s, ctx.verifier_workers,
                                       ctx.cpus_per_verifier_worker)
         self.watchdog = ProgressWatchdog(a.progress_timeout_s, a.max_discarded_batches * stage.sampling.prompts_per_batch)
@@ -225,7 +239,8 @@ class RLStageRunner:
 
     def _launch(self, launches: list[tuple[int, int]]) -> None:
         for w, new in launches:
-            self.pending[self.workers[w].round.remote(new)] = RoundCall(w, self._next_seq())
+            levels = self.curriculum.assignments(new) if self.curriculum is not None else None
+            self.pending[self.workers[w].round.remote(new, levels)] = RoundCall(w, self._next_seq())
 
     def _on_credit(self, call: CreditCall, ref) -> None:
         self._launch(self.schedule.plan_rounds(self._fetch(ref)))
@@ -243,6 +258,7 @@ class RLStageRunner:
         self.schedule.round_done(call.worker, len(report.tickets), report.in_flight_groups, report.policy_version)
         self.schedule.progressed()
         self.worker_states[call.worker] = report.state
+        self.environment_counts[call.worker] = report.environment_counts
         c = self.counters
         c.generated_tokens += report.generated_tokens
         c.rollout_busy_s += report.busy_s
@@ -280,8 +296,16 @@ class RLStageRunner:
         self._admit(call.ticket, verifications)
 
     def _admit(self, ticket: GroupTicket, verifications) -> None:
-        self.pending[self.buffer.admit_verified.remote(ticket.ref, tuple(verifications))] = AdmitCall(ticket)
+        """Hand a verified group to the buffer; while the curriculum calibrates, only to the curriculum."""
+        calibrating = self.curriculum is not None and self.curriculum.calibrating
+        if ticket.level is not None:
+            self.curriculum.report(*ticket.level, verifications)
         self.schedule.group_handed_on()
+        if calibrating:
+            self.schedule.progressed()
+            self.watchdog.step_done()  # calibration groups are the stage's progress until training starts
+            return
+        self.pending[self.buffer.admit_verified.remote(ticket.ref, tuple(verifications))] = AdmitCall(ticket)
 
     def _on_admitted(self, call: AdmitCall, ref) -> None:
         try:
@@ -466,6 +490,13 @@ class RLStageRunner:
         now = time.perf_counter()
         values = step_metrics(self.counters, self.schedule, trainer_metrics, ray.get(self.buffer.metrics.remote()),
                               now - self._window_start)
+        if self.curriculum is not None:
+            values.update(self.curriculum.metrics())
+        for counts in self.environment_counts:
+            for key, counters in counts.items():
+                for name, value in counters.items():
+                    metric = f"environment/{key}/{name}"
+                    values[metric] = values.get(metric, 0.0) + value
         step = self.schedule.policy_version
         self.ctx.log_metrics(step, values)
         log.info(progress_line(step, self.schedule.end_version, values))
@@ -482,21 +513,32 @@ class RLStageRunner:
         log.info("waiting for step %d: %s | in flight %d group(s) | skipped %d prompt(s) longer than "
                  "max_prompt_tokens | %s", self.schedule.policy_version + 1,
                  ", ".join(f"{k} {v}" for k, v in counts.items()), self.schedule.in_flight_groups(),
-                 self.counters.skipped_long_prompts, "training" if self.schedule.training else "buffer not ready")
+                 self.counters.skipped_long_prompts, self._waiting_for())
+
+    def _waiting_for(self) -> str:
+        if self.curriculum is not None and self.curriculum.calibrating:
+            return (f"calibrating the difficulty schedulers ({self.curriculum.calibration_groups} group(s) so far; "
+                    "nothing is trained until they are calibrated)")
+        return "training" if self.schedule.training else "buffer not ready"
 
     def data_state(self) -> dict:
         """Buffer state and each worker's state as of its last round (asking a worker now could block on
         its round, or fail while Ray restarts it)."""
-        return {"stage": self.stage.name, "buffer": ray.get(self.buffer.state_dict.remote()),
-                "workers": list(self.worker_states)}
+        state = {"stage": self.stage.name, "buffer": ray.get(self.buffer.state_dict.remote()),
+                 "workers": list(self.worker_states)}
+        if self.curriculum is not None:
+            state["curriculum"] = self.curriculum.state_dict()
+        return state
 
     def _restore(self, state: dict) -> None:
         """Continue from `data_state()` of a checkpoint: buffer counters, frontier and staleness histogram,
-        and each worker's prompt-source position. Buffered and in-flight groups were not saved; the
+        the difficulty schedulers, and each worker's prompt-source position. Buffered and in-flight groups were not saved; the
         workers generate fresh groups in their place (the buffer counts them as discarded_on_resume)."""
         if state.get("stage") != self.stage.name:
             raise ValueError(f"stage {self.stage.name!r}: the checkpoint's data state is of stage {state.get('stage')!r}")
         ray.get(self.buffer.load_state_dict.remote(state["buffer"]))
+        if self.curriculum is not None and "curriculum" in state:
+            self.curriculum.load_state_dict(state["curriculum"])
         saved = state["workers"]
         if len(saved) != len(self.workers):
             log.warning("the checkpoint holds the prompt positions of %d rollout worker(s), this run has %d: "
@@ -523,6 +565,8 @@ class RLStageRunner:
         if trainer_ok:
             ray.get(self.ctx.ranks[0].close_sync.remote())
         self.final_frontier = ray.get(self.buffer.state_dict.remote())["frontier"]
+        if self.curriculum is not None:
+            self.final_curriculum = self.curriculum.state_dict()
         # In-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) leave no shared-memory segments behind:
         # killing the actor process releases everything it held.
         for actor in self.workers + self.verifiers.actors + [self.buffer]:

@@ -35,7 +35,7 @@ from zrl.canaries import gibberish_fraction, rare_token_fractions
 from zrl.config.schema import RLStage
 from zrl.moepp.config import MoEPPConfig
 from zrl.pipeline.weight_sync import HostPeakMemory, SyncAddress, SyncGroup, drain
-from zrl.prompts import PromptSource
+from zrl.prompts import Assignment, PromptSource
 from zrl.types import Prompt, Rollout, rollout_array_bytes, stream_group_id
 
 
@@ -64,6 +64,7 @@ class GroupTicket:
     num_rollouts: int
     ref: Any                       # what `publish` returned for the GeneratedGroup (Ray: an ObjectRef)
     text_ref: Any                  # ... and for its GroupText (the verifier fetches only this)
+    level: tuple[str, int] | None = None  # (scheduler key, level) of a `difficulty: adaptive` entry's group
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class RoundReport:
     skipped_long_prompts: int = 0
     array_bytes: int = 0           # bytes of the finished groups' rollout arrays (published, not in the report)
     canary_sums: dict = field(default_factory=dict)  # monitor name -> sum over the finished rollouts
+    environment_counts: dict = field(default_factory=dict)  # entry key -> its environment's metrics()
     state: dict = field(default_factory=dict)         # the worker's state_dict() after the round
 
 
@@ -93,6 +95,7 @@ class SyncReceived:
 class _Open:
     group_id: str
     prompt: Prompt
+    level: tuple[str, int] | None
     samples: list = field(default_factory=list)
 
 
@@ -129,8 +132,9 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.engine.version
 
-    def round(self, new_groups: int) -> RoundReport:
-        skipped = self._submit(new_groups)
+    def round(self, new_groups: int, levels: dict[str, Assignment] | None = None) -> RoundReport:
+        """`levels`: what each adaptive entry's prompts of this round are drawn at (PromptSource.draw)."""
+        skipped = self._submit(new_groups, levels or {})
         finished, busy = [], 0.0
         deadline = time.perf_counter() + self.round_seconds
         before = self._in_flight_tokens()
@@ -142,14 +146,15 @@ class RolloutWorker:
                 if len(group.samples) == self.group_size:
                     finished.append(self._close(sample.group_id))
             busy += time.perf_counter() - t0
-        generated = sum(len(r.token_ids) for g in finished for r in g.rollouts) + self._in_flight_tokens() - before
+        generated = sum(len(r.token_ids) for g, _ in finished for r in g.rollouts) + self._in_flight_tokens() - before
         tickets = [GroupTicket(g.group_id, len(g.rollouts), self.publish(g),
-                               self.publish(GroupText(g.prompt, tuple(r.text for r in g.rollouts))))
-                   for g in finished]
+                               self.publish(GroupText(g.prompt, tuple(r.text for r in g.rollouts))), level)
+                   for g, level in finished]
         return RoundReport(tickets=tickets, in_flight_groups=len(self._open), generated_tokens=generated,
                            busy_s=busy, policy_version=self.engine.version, skipped_long_prompts=skipped,
-                           array_bytes=sum(rollout_array_bytes(r) for g in finished for r in g.rollouts),
-                           canary_sums=self._token_canaries(finished), state=self.state_dict())
+                           array_bytes=sum(rollout_array_bytes(r) for g, _ in finished for r in g.rollouts),
+                           canary_sums=self._token_canaries([g for g, _ in finished]), state=self.state_dict(),
+                           environment_counts={e.key: e.env.metrics() for e in self.source.entries})
 
     def _token_canaries(self, groups: list[GeneratedGroup]) -> dict[str, float]:
         """Rare-token and gibberish monitors (no gate), summed over rollouts; the loop averages."""
@@ -214,11 +219,11 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ helpers
 
-    def _submit(self, n: int) -> int:
+    def _submit(self, n: int, levels: dict[str, Assignment]) -> int:
         skipped = 0
         tokenizer = self.engine.tokenizer
         draw = self.source.draws
-        for position, prompt in enumerate(self.source.next_prompts(n) if n > 0 else []):
+        for position, (prompt, level) in enumerate(self.source.draw(n, levels) if n > 0 else []):
             text = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=False)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > self.max_prompt_tokens:
@@ -226,14 +231,15 @@ class RolloutWorker:
                 continue
             seed = int(self._rng.integers(2**31))
             group = self.engine.submit(ids, self.group_size, self.sampling, seed=seed)
-            self._open[group] = _Open(stream_group_id(self.worker_index, draw, position, prompt.prompt_id), prompt)
+            self._open[group] = _Open(stream_group_id(self.worker_index, draw, position, prompt.prompt_id), prompt,
+                                      level)
         return skipped
 
-    def _close(self, engine_group: int) -> GeneratedGroup:
+    def _close(self, engine_group: int) -> tuple[GeneratedGroup, tuple[str, int] | None]:
         group = self._open.pop(engine_group)
         samples = sorted(group.samples, key=lambda s: s.sample_index)
         rollouts = tuple(_to_rollout(s.output) for s in samples)
-        return GeneratedGroup(group_id=group.group_id, prompt=group.prompt, rollouts=rollouts)
+        return GeneratedGroup(group_id=group.group_id, prompt=group.prompt, rollouts=rollouts), group.level
 
     def _in_flight_tokens(self) -> int:
         return sum(self.engine.in_flight().values())

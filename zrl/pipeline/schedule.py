@@ -84,12 +84,12 @@ class StageSchedule:
 
     def in_flight_groups(self) -> int:
         """Groups started and not yet handed to the buffer (in engines or being verified)."""
-        return sum(w.groups_in_engine for w in self.workers) + self.verifying
+        return sum([w.groups_in_engine for w in self.workers]) + self.verifying
 
     def generating_version(self) -> int:
         """The oldest policy version workers generate new groups with (a restarted worker will hold
         the latest version before it generates again)."""
-        return min(w.policy_version if w.policy_version >= 0 else self.policy_version for w in self.workers)
+        return min([w.policy_version if w.policy_version >= 0 else self.policy_version for w in self.workers])
 
     def wants_credit(self) -> bool:
         return (not self.credit_requested and not self.waiting and not self.paused

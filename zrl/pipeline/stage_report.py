@@ -74,4 +74,13 @@ def progress_line(step: int, end_step: int, values: dict[str, float]) -> str:
             f"buffered {int(values.get('buffer/occupancy', 0))} | gen {values['throughput/rollout_tokens_per_s']:.0f} tok/s | "
             f"train {values.get('perf/tokens_per_s', 0.0):.0f} tok/s | sync {values['sync/time_s']:.2f} s | "
             f"idle rollout {100 * values['throughput/rollout_idle_frac']:.0f}% "
-            f"trainer {100 * values['throughput/trainer_idle_frac']:.0f}%")
+            f"trainer {100 * values['throughput/trainer_idle_frac']:.0f}%" + _levels(values))
+
+
+def _levels(values: dict[str, float]) -> str:
+    """` | level strings 3 (crossing 2.6)` for each adaptive entry (at most three named)."""
+    keys = sorted(k[len("curriculum/"):-len("/difficulty")] for k in values
+                  if k.startswith("curriculum/") and k.endswith("/difficulty"))
+    parts = [f"{key} {values[f'curriculum/{key}/difficulty']:.0f} (crossing {values[f'curriculum/{key}/mu_mean']:.1f})"
+             for key in keys[:3]]
+    return f" | level {', '.join(parts)}" + (f" +{len(keys) - 3} more" if len(keys) > 3 else "") if parts else ""

@@ -274,11 +274,10 @@ class _Simulation:
         if not len(e.done_at):
             self._round_end_at(w, e.chain_start)
             return
-        groups = e.group[e.order]
-        lowest = groups.min()
-        group_end = np.zeros(groups.max() - lowest + 1)   # 0: no sequence of that group here
-        np.maximum.at(group_end, groups - lowest, e.done_at)
-        first = group_end[group_end > 0].min()
+        # done_at is ascending, so a group ends at its last sequence in that order.
+        groups = e.group[e.order][::-1]
+        _, last_from_end = np.unique(groups, return_index=True)
+        first = e.done_at[len(groups) - 1 - last_from_end].min()
         self._round_end_at(w, self._next_round_end(e, first - EPS))
 
     def _on_round_end(self, w: int, t: float) -> None:

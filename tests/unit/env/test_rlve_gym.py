@@ -74,7 +74,7 @@ def test_scorer_timeout_scores_zero_and_is_counted(monkeypatch):
         verification = env.verify(prompt, "</think>slow")
         assert verification.reward == 0.0
         assert verification.metadata["reason"] == "scorer timeout"
-        assert env.metrics()["rlve_gym/scorer_timeouts"] == 1
+        assert env.metrics()["scorer_timeouts"] == 1
         assert env.verify(prompt, f"</think>{prompt.answer}").reward == 1.0  # a fresh child scores
     finally:
         env.close()
@@ -154,7 +154,7 @@ def test_generation_timeout_is_skipped_and_counted(monkeypatch):
     try:
         prompts = env.sample(4, seed=0)
         assert [p.data_source for p in prompts] == ["rlve_gym:Multiplication"] * 4
-        assert env.metrics()["rlve_gym/generation_timeouts"] >= 1
+        assert env.metrics()["generation_timeouts"] >= 1
     finally:
         env.close()
 
@@ -166,7 +166,7 @@ def test_generation_failures_in_a_row_raise_one_line(monkeypatch):
     try:
         with pytest.raises(RuntimeError, match="in a row failed"):
             env.sample(1, seed=0)
-        assert env.metrics()["rlve_gym/generation_failures"] == rlve_gym._MAX_CONSECUTIVE_FAILURES
+        assert env.metrics()["generation_failures"] == rlve_gym._MAX_CONSECUTIVE_FAILURES
     finally:
         env.close()
 
@@ -174,3 +174,14 @@ def test_generation_failures_in_a_row_raise_one_line(monkeypatch):
 def test_wrong_answers_differ_from_the_reference():
     for reference in ("12", "0 3 1", "1.41421", "a/b"):
         assert reference not in sweep.wrong_answers(reference)
+
+
+def test_a_level_mapping_restricts_the_draw_to_its_environments():
+    env = RlveGym(environments=["Multiplication", "Sorting"])
+    try:
+        prompts = env.sample(4, seed=1, difficulty={"Sorting": 1})
+        assert {(p.payload["environment"], p.difficulty) for p in prompts} == {("Sorting", 1)}
+        with pytest.raises(ValueError, match=r"^difficulty: names \['Multiply'\] are not among"):
+            env.sample(1, seed=1, difficulty={"Multiply": 0})
+    finally:
+        env.close()

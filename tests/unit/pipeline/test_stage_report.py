@@ -18,6 +18,13 @@ def test_a_step_without_new_groups_shows_no_reward_instead_of_nan():
     assert "| reward 0.250 |" in progress_line(4, 6, values(**{"reward/mean": 0.25}))
 
 
+def test_the_line_names_each_adaptive_entrys_level_and_crossing():
+    assert "level" not in progress_line(4, 6, values())
+    line = progress_line(4, 6, values(**{"curriculum/strings/difficulty": 3.0, "curriculum/strings/mu_mean": 2.64,
+                                         "curriculum/calibrating": 0.0}))
+    assert line.endswith(" | level strings 3 (crossing 2.6)")
+
+
 def test_metrics_are_logged_every_log_every_steps_and_at_each_stage_end():
     recipe = parse_recipe({
         "name": "cadence", "model": {"path": "unused"}, "output_dir": "/nonexistent/cadence",
