@@ -3,11 +3,12 @@ on `strings` with `difficulty: adaptive`), SIGKILLed during the RL stage and fin
 
 1. The RL stage calibrates before it trains (one "calibrated" line; the first step's row already has
    `curriculum/calibrating` 0) and the level follows the policy: the estimated crossing ends above
-   where calibration put it, while held-out accuracy on short words (levels 0 and 1) rises from the warm
-   start's export to the RL stage's. Measured on the 2-core CPU machine (2026-11-24), three runs: the
-   crossing went from -3.3 to 0.6, -3.0 to 0.1 and -3.4 to 0.0 levels over the 30 RL steps (the solve
-   rate at level 0 from 0.07 to ~0.55); held-out accuracy on 1-4 letter words 0.06 -> 0.29 and
-   0.06 -> 0.26 (the two killed and resumed runs).
+   where calibration put it, and at the level where the stage ended the trained policy's held-out
+   accuracy is above the warm start's (the scheduler moved there because the policy improved at it).
+   Measured on the 2-core CPU machine (2026-11-24): calibrated at level 2 (crossing 1.8), crossing 3.1
+   after the 30 RL steps; held-out accuracy at level 3 (7-8 letters) 0.31 -> 0.58. The warm start
+   stops while SFT's loss is still falling fast, so its profile differs between CPUs; the assertions
+   hold for any profile whose crossing lies inside the levels.
 2. The schedulers' state is in the checkpoint and survives the kill: the resumed run does not calibrate
    again and its group count continues from the checkpoint's.
 """
@@ -46,10 +47,12 @@ def _kill_after_rl_checkpoint(proc, run_dir: Path, timeout_s: float = 900) -> di
     raise AssertionError("no RL checkpoint followed by a logged step within the time limit")
 
 
-def _held_out_accuracy(export: Path) -> float:
-    """Words of 1-4 letters (levels 0 and 1 of the recipe's entry), 100 prompts x 4 samples at temperature 1."""
-    out = subprocess.run([ZRL, "eval", str(export), "--env", "strings", "--options",
-                          "{tasks: copy, min_letters: 1, max_letters: 4}", "--num-prompts", "100", "--samples", "4",
+def _held_out_accuracy(export: Path, level: int) -> float:
+    """Words of the recipe's entry at `level` (1 + 2 level to 2 + 2 level letters), 100 prompts x 4
+    samples at temperature 1."""
+    options = f"{{tasks: copy, min_letters: {1 + 2 * level}, max_letters: {2 + 2 * level}}}"
+    out = subprocess.run([ZRL, "eval", str(export), "--env", "strings", "--options", options,
+                          "--num-prompts", "100", "--samples", "4",
                           "--temperature", "1.0", "--max-response-tokens", "48", "--seed", "7"],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -89,11 +92,11 @@ def test_calibration_comes_first_and_the_level_follows_the_improving_policy(inte
     rows = _rl_rows(run_dir)
     assert rows[0]["curriculum/calibrating"] == 0.0
     first, last = rows[0][f"{KEY}/mu_mean"], rows[-1][f"{KEY}/mu_mean"]
-    warm = _held_out_accuracy(run_dir / "stages" / "sft_warm_start" / "hf")
-    final = _held_out_accuracy(run_dir / "stages" / RL_STAGE / "hf")
-    levels = [r[f"{KEY}/difficulty"] for r in rows]
-    log.info("crossing %.2f -> %.2f; levels %s; held-out accuracy at levels 0-1: %.3f -> %.3f", first, last, levels,
-             warm, final)
+    levels = [int(r[f"{KEY}/difficulty"]) for r in rows]
+    warm = _held_out_accuracy(run_dir / "stages" / "sft_warm_start" / "hf", levels[-1])
+    final = _held_out_accuracy(run_dir / "stages" / RL_STAGE / "hf", levels[-1])
+    log.info("crossing %.2f -> %.2f; levels %s; held-out accuracy at level %d: %.3f -> %.3f", first, last, levels,
+             levels[-1], warm, final)
     assert final > warm
     assert last > first
 

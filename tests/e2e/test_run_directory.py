@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -129,6 +131,10 @@ def test_a_live_driver_holds_the_directory_and_a_dead_ones_processes_are_reaped(
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                              env={**os.environ, "ZRL_DRIVER_TAG": "deadbeef"})  # e.g. a Ray agent it started
     try:
+        # Popen returns once exec has begun; the kernel fills in the new command line a moment later
+        deadline = time.monotonic() + 10
+        while b"zrl-driver" not in Path(f"/proc/{holder.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
         (out / "driver.json").write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
                                                      "tag": "deadbeef"}))
         with pytest.raises(RunDirectoryError, match=f"in use by a running zrl driver \\(pid {holder.pid}\\)"):

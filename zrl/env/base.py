@@ -61,7 +61,9 @@ class Environment(ABC):
     @abstractmethod
     def sample(self, n: int, seed: int, split: Split = "train", difficulty: float | None = None) -> list[Prompt]:
         """`n` prompts, deterministic in (n, seed, split, difficulty). An environment with
-        `curriculum_tasks()` also takes a mapping task -> level: draw only from those tasks, each at its level."""
+        `curriculum_tasks()` also takes a mapping task -> level: draw only from those tasks, each at its level.
+        A rollout worker calls it on its background draw thread (one call at a time), while `metrics()`
+        may be read from the worker's main thread."""
 
     @abstractmethod
     def verify(self, prompt: Prompt, response: str) -> float | Verification:

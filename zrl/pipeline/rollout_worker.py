@@ -3,7 +3,11 @@ style rule 1).
 
 The stage loop drives it in short *rounds*: `round(new_groups)` draws that many prompts from the
 stage's prompt source, submits G samples of each, runs engine steps for at most `round_seconds`, and
-reports the groups that finished. Requests still running stay in the engine between rounds with their
+reports the groups that finished. Prompts are drawn on a background thread while the engine decodes
+what is already in flight, so a slow generator (RLVE-Gym's run in child processes with a per-problem
+time limit) never stops generation: drawn prompts join the running batch at the next engine step, and a
+draw still running when the round ends carries over to the next round. The engine waits for a draw only
+when it has nothing else to decode. Requests still running stay in the engine between rounds with their
 KV cache and CCA state, so a weight update (queued between two rounds by the loop) lands between
 engine steps while generation is in flight (PipelineRL "keep"): tokens sampled after it carry the new
 version in their segments.
@@ -18,13 +22,17 @@ Weight sync: `join_sync` makes the worker a receiver of the trainer's sync group
 takes one streamed sync and loads it in place as it arrives (zrl.pipeline.weight_sync).
 `update_weights` is the fallback that loads a whole state dict (or a reference to one).
 
-Invariants: a group is reported once, complete (all G samples); prompts longer than
+Invariants: a group is reported once, complete (all G samples); draws are submitted in stream order,
+and the reported state counts only submitted draws (a restarted worker draws pending ones again: they
+never made a group); `in_flight_groups` includes groups still being drawn; prompts longer than
 `max_prompt_tokens` are skipped and counted, never truncated; a group's id is its place in the prompt
 stream (`stream_group_id`).
 """
 
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +99,15 @@ class SyncReceived:
     peak_extra_bytes: int          # host memory peak above the level before the sync (-1 unknown)
 
 
+@dataclass(frozen=True)
+class _Draw:
+    """A draw of the prompt stream running (or done) on the background thread, not yet submitted."""
+
+    index: int                     # its place in the stream (PromptSource.draws before it)
+    groups: int
+    result: Future                 # -> PromptSource.draw's list of (prompt, level)
+
+
 @dataclass
 class _Open:
     group_id: str
@@ -126,6 +143,8 @@ class RolloutWorker:
         self.rare_bands = tuple(stage.algorithm.canaries.rare_token_bands)
         self._rng = np.random.default_rng(stream_seed)
         self._open: dict[int, _Open] = {}
+        self._drawing: deque[_Draw] = deque()
+        self._drawer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-draw")
         self._sync_group: SyncGroup | None = None
 
     @property
@@ -134,23 +153,32 @@ class RolloutWorker:
 
     def round(self, new_groups: int, levels: dict[str, Assignment] | None = None) -> RoundReport:
         """`levels`: what each adaptive entry's prompts of this round are drawn at (PromptSource.draw)."""
-        skipped = self._submit(new_groups, levels or {})
+        if new_groups > 0:
+            self._start_draw(new_groups, levels or {})
         finished, busy = [], 0.0
         deadline = time.perf_counter() + self.round_seconds
         before = self._in_flight_tokens()
-        while self.engine.has_unfinished() and time.perf_counter() < deadline:
-            t0 = time.perf_counter()
+        skipped = self._submit_drawn()
+        while (now := time.perf_counter()) < deadline:
+            if not self.engine.has_unfinished():
+                if not self._drawing:
+                    break
+                wait([self._drawing[0].result], timeout=deadline - now)  # nothing to decode until it is drawn
+                skipped += self._submit_drawn()
+                continue
             for sample in self.engine.step():
                 group = self._open[sample.group_id]
                 group.samples.append(sample)
                 if len(group.samples) == self.group_size:
                     finished.append(self._close(sample.group_id))
-            busy += time.perf_counter() - t0
+            busy += time.perf_counter() - now
+            skipped += self._submit_drawn()
         generated = sum(len(r.token_ids) for g, _ in finished for r in g.rollouts) + self._in_flight_tokens() - before
         tickets = [GroupTicket(g.group_id, len(g.rollouts), self.publish(g),
                                self.publish(GroupText(g.prompt, tuple(r.text for r in g.rollouts))), level)
                    for g, level in finished]
-        return RoundReport(tickets=tickets, in_flight_groups=len(self._open), generated_tokens=generated,
+        in_flight = len(self._open) + sum(d.groups for d in self._drawing)
+        return RoundReport(tickets=tickets, in_flight_groups=in_flight, generated_tokens=generated,
                            busy_s=busy, policy_version=self.engine.version, skipped_long_prompts=skipped,
                            array_bytes=sum(rollout_array_bytes(r) for g, _ in finished for r in g.rollouts),
                            canary_sums=self._token_canaries([g for g, _ in finished]), state=self.state_dict(),
@@ -205,8 +233,12 @@ class RolloutWorker:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        """Prompt-stream position and sampling-seed generator: enough to continue the same streams."""
-        return {"prompt_source": self.source.state_dict(), "seed_rng": self._rng.bit_generator.state}
+        """Prompt-stream position (submitted draws only) and sampling-seed generator: enough to continue
+        the same streams."""
+        source = self.source.state_dict()
+        if self._drawing:
+            source["draws"] = self._drawing[0].index
+        return {"prompt_source": source, "seed_rng": self._rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state["prompt_source"])
@@ -214,25 +246,35 @@ class RolloutWorker:
             self._rng.bit_generator.state = state["seed_rng"]
 
     def close(self) -> None:
+        self._drawer.shutdown(wait=False, cancel_futures=True)
         self.leave_sync()
         self.engine.close()
 
     # ------------------------------------------------------------------ helpers
 
-    def _submit(self, n: int, levels: dict[str, Assignment]) -> int:
+    def _start_draw(self, n: int, levels: dict[str, Assignment]) -> None:
+        """Queue the stream's next draw on the background thread (one thread: draws run in order)."""
+        index = self._drawing[-1].index + 1 if self._drawing else self.source.draws
+        self._drawing.append(_Draw(index, n, self._drawer.submit(self.source.draw, n, levels)))
+
+    def _submit_drawn(self) -> int:
+        """Submit the finished draws at the head of the queue, in order; the number of prompts skipped as
+        too long. A draw that raised (an environment's fault) raises here."""
         skipped = 0
         tokenizer = self.engine.tokenizer
-        draw = self.source.draws
-        for position, (prompt, level) in enumerate(self.source.draw(n, levels) if n > 0 else []):
-            text = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > self.max_prompt_tokens:
-                skipped += 1
-                continue
-            seed = int(self._rng.integers(2**31))
-            group = self.engine.submit(ids, self.group_size, self.sampling, seed=seed)
-            self._open[group] = _Open(stream_group_id(self.worker_index, draw, position, prompt.prompt_id), prompt,
-                                      level)
+        while self._drawing and self._drawing[0].result.done():
+            draw = self._drawing[0]
+            for position, (prompt, level) in enumerate(draw.result.result()):
+                text = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=False)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                if len(ids) > self.max_prompt_tokens:
+                    skipped += 1
+                    continue
+                seed = int(self._rng.integers(2**31))
+                group = self.engine.submit(ids, self.group_size, self.sampling, seed=seed)
+                self._open[group] = _Open(stream_group_id(self.worker_index, draw.index, position, prompt.prompt_id),
+                                          prompt, level)
+            self._drawing.popleft()
         return skipped
 
     def _close(self, engine_group: int) -> tuple[GeneratedGroup, tuple[str, int] | None]:

@@ -1,0 +1,147 @@
+"""A rollout worker draws prompts on a background thread: a slow generator never stops the engine from
+decoding what is in flight, drawn prompts join at the next engine step, a draw still running at the end
+of a round carries over (counted in flight, not in the reported stream position), and a failing
+generator stops the stage as before. The engine is a stand-in that finishes a sample every few steps;
+the prompt source, tokenizer and round loop are the worker's own."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import serving.engine
+from environments.strings import StringTask
+from serving.engine import FinishedSample, SampleOutput, VersionSegment
+from zrl.assets import build_tiny_model
+from zrl.config import parse_recipe
+from zrl.env.base import EnvironmentFault
+from zrl.pipeline.rollout_worker import RolloutWorker
+from zrl.types import stream_place
+
+GROUP_SIZE = 2
+STEPS_PER_SAMPLE = 3
+
+
+class SteppingEngine:
+    """Submitted samples finish after STEPS_PER_SAMPLE engine steps; records which groups each step ran."""
+
+    def __init__(self, model_path, **_):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.version = 0
+        self.pending: dict[tuple[int, int], list] = {}  # (group, sample) -> [steps left, prompt ids]
+        self.groups = 0
+        self.steps_per_sample = STEPS_PER_SAMPLE
+        self.steps: list[set[int]] = []
+
+    def submit(self, ids, num_samples, sampling, seed=None) -> int:
+        group, self.groups = self.groups, self.groups + 1
+        for i in range(num_samples):
+            self.pending[(group, i)] = [self.steps_per_sample, np.asarray(ids, dtype=np.int64)]
+        return group
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending)
+
+    def in_flight(self) -> dict:
+        return {key: 0 for key in self.pending}
+
+    def step(self) -> list[FinishedSample]:
+        self.steps.append({group for group, _ in self.pending})
+        finished = []
+        for key, entry in list(self.pending.items()):
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self.pending[key]
+                prompt, tokens = entry[1], np.array([5, 6, 7], dtype=np.int64)
+                finished.append(FinishedSample(key[0], key[1], SampleOutput(
+                    prompt, tokens, np.zeros(3, np.float32), np.zeros((len(prompt) + 3, 1), np.uint8), "stop",
+                    (VersionSegment(0, self.version),), "x")))
+        return finished
+
+    def close(self) -> None:
+        pass
+
+
+class Gate:
+    """Holds StringTask.sample until opened (a generator that takes as long as the test wants)."""
+
+    def __init__(self):
+        self.opened, self.entered = threading.Event(), threading.Event()
+        self.closed = False
+
+    def hold(self, sample):
+        def held(env, *args, **kwargs):
+            if self.closed:
+                self.entered.set()
+                assert self.opened.wait(30), "the test never opened the gate"
+            return sample(env, *args, **kwargs)
+        return held
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("draws") / "model")
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    gate = Gate()
+    monkeypatch.setattr(StringTask, "sample", gate.hold(StringTask.sample))
+    return gate
+
+
+@pytest.fixture
+def worker(model_path, monkeypatch):
+    monkeypatch.setattr(serving.engine, "RolloutEngine", SteppingEngine)
+    recipe = parse_recipe({
+        "name": "draws", "model": {"path": str(model_path)}, "output_dir": "/nonexistent/draws",
+        "stages": [{"name": "rl", "kind": "rl", "steps": 1, "environments": [{"name": "strings"}],
+                    "sampling": {"group_size": GROUP_SIZE, "prompts_per_batch": 2}}]})
+    worker = RolloutWorker(0, model_path, recipe.stages[0], seed=3, dtype="float32", round_seconds=0.3)
+    yield worker
+    worker.close()
+
+
+def test_the_engine_decodes_while_a_slow_draw_runs_and_the_drawn_prompts_join_later(worker, gate):
+    first = worker.round(2)  # a fast draw: both groups generate and finish within the round
+    assert [t.group_id for t in first.tickets] and first.in_flight_groups == 0
+    assert first.state["prompt_source"]["draws"] == 1
+
+    worker.engine.steps_per_sample = 10**9
+    assert worker.round(1).in_flight_groups == 1  # one long group in flight ...
+    worker.engine.steps_per_sample = STEPS_PER_SAMPLE
+    gate.closed = True
+    steps_before = len(worker.engine.steps)
+    held = worker.round(2)  # ... while the next draw is held for the whole round
+    assert gate.entered.is_set()
+    assert len(worker.engine.steps) - steps_before > 5, "the engine did not step while the draw ran"
+    assert held.in_flight_groups == 1 + 2  # the one decoding and the two being drawn
+    assert held.state["prompt_source"]["draws"] == 2  # the held draw is not yet part of the stream
+
+    gate.opened.set()
+    done = worker.round(0)
+    assert done.state["prompt_source"]["draws"] == 3
+    assert worker.engine.groups == 2 + 1 + 2
+    joined = [i for i, groups in enumerate(worker.engine.steps) if {3, 4} <= groups]
+    assert joined and 2 in worker.engine.steps[joined[0]], "the drawn groups joined the running batch"
+
+
+def test_group_ids_follow_the_stream_and_repeat_with_the_same_seed(worker, model_path):
+    ids = [t.group_id for _ in range(3) for t in worker.round(1).tickets]
+    assert [stream_place(i) for i in ids] == [(0, 0), (0, 1), (0, 2)]
+    again = RolloutWorker(0, model_path, worker.stage, seed=3, dtype="float32", round_seconds=0.3)
+    try:
+        assert [t.group_id for _ in range(3) for t in again.round(1).tickets] == ids
+    finally:
+        again.close()
+
+
+def test_a_generator_that_raises_stops_the_round_with_its_reason(worker, monkeypatch):
+    def broken(env, *args, **kwargs):
+        raise RuntimeError("generator broke")
+
+    monkeypatch.setattr(StringTask, "sample", broken)
+    with pytest.raises(EnvironmentFault, match="generator broke"):
+        worker.round(1)
