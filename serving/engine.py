@@ -55,6 +55,7 @@ class SamplingConfig:
     min_p: float = 0.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks comparing equal token counts)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -203,7 +204,7 @@ class RolloutEngine:
                 n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                 min_p=sampling.min_p, max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
                 seed=None if base_seed is None else base_seed + i, logprobs=0, flat_logprobs=True,
-                detokenize=detokenize, output_kind=RequestOutputKind.FINAL_ONLY)
+                detokenize=detokenize, output_kind=RequestOutputKind.FINAL_ONLY, ignore_eos=sampling.ignore_eos)
             external_id = f"zrl-{next(self._ids)}"
             internal_id = self._engine.add_request(external_id, {"prompt_token_ids": prompt.tolist()}, params)
             self._pending[external_id] = _Pending(group_id, i, internal_id, prompt, not detokenize,

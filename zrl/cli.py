@@ -126,7 +126,7 @@ def cmd_eval(args) -> int:
         result = evaluate(args.checkpoint, EnvironmentSpec(name=args.env, options=options),
                           num_prompts=args.num_prompts, seed=args.seed, samples_per_prompt=args.samples,
                           temperature=args.temperature, max_response_tokens=args.max_response_tokens, dtype=args.dtype,
-                          reward_model=reward_model)
+                          reward_model=reward_model, split=args.split, save_rollouts=args.save_rollouts)
     except (ValueError, FileNotFoundError) as exc:  # bad options, a missing reward model: one line
         return _error([str(exc)])
     sys.stdout.write(json.dumps(dataclasses.asdict(result)) + "\n")
@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--reward-model", help="reward-model checkpoint directory, for reward-model environments "
                                           "(scored in this process)")
+    p.add_argument("--split", default="eval", choices=["eval", "train"], help="which problems (default: held-out)")
+    p.add_argument("--save-rollouts", metavar="FILE", help="write prompts, responses and rewards as JSONL (the "
+                                                           "rollouts file of the `aggregation` environment)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("ttc", help="Markovian RSA test-time compute on an environment's held-out split: one "

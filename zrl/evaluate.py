@@ -4,8 +4,14 @@ The prompts are the environment's `split="eval"` problems for a fixed seed, so t
 always compared on the same problems with the same sampling settings; only the weights differ. The
 engine is the same vLLM rollout engine the pipeline uses (in this process), so what is measured is
 what the pipeline would generate.
+
+`save_rollouts` writes every prompt with its sampled responses and their rewards as JSONL, the
+rollouts file of the `aggregation` environment (environments/aggregation.py: self-aggregation
+prompts from a checkpoint's own samples; draw those from `split="train"`).
 """
 
+import dataclasses
+import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -14,6 +20,7 @@ from pathlib import Path
 from zrl.config.schema import EnvironmentSpec, RewardModelSpec
 from zrl.env import safe_verify, safe_verify_group, verifies_groups
 from zrl.prompts import build_environment
+from zrl.types import Split
 
 log = logging.getLogger("zrl")
 
@@ -32,7 +39,8 @@ class EvalResult:
 
 def evaluate(checkpoint: str | Path, environment: EnvironmentSpec, num_prompts: int = 200, seed: int = 0,
              samples_per_prompt: int = 1, temperature: float = 0.0, max_response_tokens: int = 64,
-             dtype: str = "float32", reward_model: RewardModelSpec | None = None) -> EvalResult:
+             dtype: str = "float32", reward_model: RewardModelSpec | None = None, split: Split = "eval",
+             save_rollouts: str | Path | None = None) -> EvalResult:
     """`reward_model`: the scorer of reward-model environments (run in this process)."""
     from transformers import AutoTokenizer
 
@@ -45,7 +53,7 @@ def evaluate(checkpoint: str | Path, environment: EnvironmentSpec, num_prompts: 
         from zrl.reward_model import RewardModelClient
 
         env.use_reward_model(RewardModelClient.local(reward_model))
-    prompts = env.sample(num_prompts, seed=seed, split="eval")
+    prompts = env.sample(num_prompts, seed=seed, split=split)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     ids = [tokenizer(tokenizer.apply_chat_template(p.chat(), add_generation_prompt=True, tokenize=False),
                      add_special_tokens=False)["input_ids"] for p in prompts]
@@ -55,14 +63,16 @@ def evaluate(checkpoint: str | Path, environment: EnvironmentSpec, num_prompts: 
         outputs = engine.generate(ids, samples_per_prompt, sampling)
     finally:
         engine.close()
-    verifications, lengths = [], []
+    verifications, lengths, rows = [], [], []
     for prompt, samples in zip(prompts, outputs):
         texts = [sample.text for sample in samples]
-        if verifies_groups(env):
-            verifications += safe_verify_group(env, prompt, texts)
-        else:
-            verifications += [safe_verify(env, prompt, text) for text in texts]
+        group = safe_verify_group(env, prompt, texts) if verifies_groups(env) else [safe_verify(env, prompt, text)
+                                                                                   for text in texts]
+        verifications += group
         lengths += [len(sample.token_ids) for sample in samples]
+        rows.append({"prompt": dataclasses.asdict(prompt), "responses": texts, "rewards": [v.reward for v in group]})
+    if save_rollouts is not None:
+        Path(save_rollouts).write_text("".join(json.dumps(row) + "\n" for row in rows))
     reasons = Counter(str(v.metadata["reason"]) for v in verifications if "reason" in v.metadata)
     numbers: dict[str, list[float]] = {}
     for v in verifications:

@@ -75,6 +75,15 @@ def run_zrl(args: list[str], env: dict, log_path: Path, timeout_s: float = 600) 
             proc.kill()
 
 
+def run_to_completion(recipe_path: Path, log_path: Path, timeout_s: float = 900) -> None:
+    """`zrl run RECIPE` to its end (exit 0, else the log's tail), then kill whatever it left running."""
+    env = zrl_env()
+    try:
+        assert run_zrl(["run", str(recipe_path)], env, log_path, timeout_s) == 0, log_path.read_text()[-4000:]
+    finally:
+        kill_marked(env["ZRL_TEST_MARKER"])
+
+
 def read_rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():

@@ -118,7 +118,7 @@ def test_the_scheduler_state_survives_a_killed_driver(interrupted_run):
 def test_an_rlve_gym_stage_with_adaptive_difficulty_runs_on_the_tiny_model(tmp_path, tmp_path_factory):
     """RLVE-Gym problems are far beyond the tiny model (its rewards are ~0, so zero-signal groups are
     kept: `dynamic_sampling: false`); the stage must still generate, verify, schedule and train."""
-    from e2e_testlib import recipe, rl_stage, run_zrl, write_recipe
+    from e2e_testlib import recipe, rl_stage, run_to_completion, write_recipe
 
     stage = rl_stage(steps=3, env="rlve_gym")
     stage["environments"] = [{"name": "rlve_gym", "options": {"environments": ["Multiplication", "Sorting"]},
@@ -128,12 +128,7 @@ def test_an_rlve_gym_stage_with_adaptive_difficulty_runs_on_the_tiny_model(tmp_p
     run_dir = tmp_path / "run"
     path = write_recipe(tmp_path / "recipe.yaml", recipe(run_dir, tmp_path_factory.getbasetemp() / "tiny-model",
                                                          stages=[stage]))
-    env = zrl_env()
-    try:
-        assert run_zrl(["run", str(path)], env, tmp_path / "run.log", timeout_s=900) == 0, \
-            (tmp_path / "run.log").read_text()[-4000:]
-    finally:
-        kill_marked(env["ZRL_TEST_MARKER"])
+    run_to_completion(path, tmp_path / "run.log")
     rows = [r for r in read_rows(run_dir) if "curriculum/rlve_gym/mean_difficulty" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for task in ("Multiplication", "Sorting"):  # a scheduler per RLVE environment

@@ -64,7 +64,7 @@ def test_validate_prints_resolved_recipe_and_availability(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "steps: 5" in result.stdout and "group_size: 16" in result.stdout
     assert "# schema: OK (1 stages)" in result.stdout
-    assert "stages[0].environments[0].name: unknown environment 'no_such_env'; valid names: arithmetic" in result.stdout
+    assert "stages[0].environments[0].name: unknown environment 'no_such_env'; valid names: aggregation, arithmetic" in result.stdout
     assert "model.path: m is not a zaya checkpoint directory" in result.stdout
 
 
@@ -82,8 +82,8 @@ def test_run_refuses_a_missing_model_before_starting_anything(tmp_path):
         f"zrl: error: {tmp_path / 'r.yaml'}: model.path: m is not a zaya checkpoint directory (config.json and "
         "*.safetensors) and build_tiny_if_missing is false",
         f"zrl: error: {tmp_path / 'r.yaml'}: stages[0].environments[0].name: unknown environment 'no_such_env'; "
-        "valid names: arithmetic, chat_reward_model, code, code_auxiliary, hard_instruction_following, math, "
-        "reasoning_gym, rlve_gym, simple_instruction_following, strings (or use a `module:Class` reference)"]
+        "valid names: aggregation, arithmetic, chat_reward_model, code, code_auxiliary, hard_instruction_following, "
+        "math, reasoning_gym, rlve_gym, simple_instruction_following, strings (or use a `module:Class` reference)"]
 
 
 def test_envs_lists_entry_points_or_says_none():
