@@ -45,12 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray.exceptions import RayError
 
 from zrl.config.schema import Recipe, RLStage
 from zrl.env import registry
 from zrl.metrics import MetricsLogger
+from zrl.pipeline.faults import trainer_results
 from zrl.pipeline.pools import Pool, release, reserve_pools
-from zrl.pipeline.rl_stage import RLStageRunner, StageContext
+from zrl.pipeline.rl_stage import RANK_FAILURE_GRACE_S, RLStageRunner, StageContext
 from zrl.pipeline.sft_stage import run_sft_stage
 from zrl.pipeline.trainer_rank import TrainerRank
 
@@ -338,7 +340,12 @@ class Cascade:
     def _checkpointer(self, stage, ranks: list):
         def checkpoint(step: int, data_state: dict) -> None:
             path = self.run_dir / "checkpoints" / f"step_{step:06d}"
-            ray.get([r.save_checkpoint.remote(str(path), data_state) for r in ranks])
+            refs = [r.save_checkpoint.remote(str(path), data_state) for r in ranks]
+            try:
+                ray.get(refs)
+            except RayError:  # a rank died mid-save: TrainerFailed, so the run restarts from the last complete one
+                trainer_results(refs, f"the checkpoint at trainer step {step}", ray.get, timeout_s=RANK_FAILURE_GRACE_S)
+                raise
             _write_atomic(self.run_dir / "checkpoints" / LATEST,
                           json.dumps({"stage": stage.name, "step": step, "path": str(path)}) + "\n")
             log.info("checkpoint: %s", path)
