@@ -151,7 +151,11 @@ class Aggregation(Environment):
 
     def demonstration(self, prompt: Prompt) -> str | None:
         original = self.original(prompt)
-        problem = self.problems[prompt.payload["problem"]]
-        rewards = problem.rewards or tuple(safe_verify(self.inner, original, r).reward for r in problem.responses)
+        index = prompt.payload["problem"]
+        problem = self.problems[index]
+        if problem.rewards is None:  # verified once per problem (an SFT stage asks for every example)
+            self.problems[index] = problem = dataclasses.replace(
+                problem, rewards=tuple(safe_verify(self.inner, original, r).reward for r in problem.responses))
+        rewards = problem.rewards
         correct = [r for r, reward in zip(problem.responses, rewards) if reward >= 0.5]
         return correct[0] if correct else self.inner.demonstration(original)
