@@ -69,13 +69,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from zrl.algorithms import (
-    SolveRateFrontier,
-    compute_advantages,
-    filter_zero_variance_groups,
-    length_coef,
-    length_rewards,
-)
+from zrl.algorithms import SolveRateFrontier, length_coef, score_group
 from zrl.canaries import compressibility_report, repetition_gate
 from zrl.config.schema import Algorithm, Asynchrony, RLStage, Sampling
 from zrl.trainer.packing import split_batch
@@ -266,28 +260,23 @@ class RolloutBuffer:
         task = group.task_rewards()                     # [G]
         lengths = group.response_lengths()              # [G]
         flags = self._canary_flags(group)               # [G]
-        if self.algorithm.canaries.lz77.zero_reward and flags.any():
+        flagged = int(np.count_nonzero(flags))
+        if self.algorithm.canaries.lz77.zero_reward and flagged:
             rewards = np.array([repetition_gate(r, bool(f)) for r, f in zip(task, flags)], dtype=np.float64)
         else:  # the gate changes nothing
             rewards = task.copy()
         spec = self.algorithm.length_reward
-        if spec.enabled:
-            bonus = length_rewards(rewards, lengths, l_max=self.sampling.max_response_tokens,
-                                   c=self.length_coef(), p_star=self.frontier.p_star(group.prompt.data_source),
-                                   accuracy_tolerance=spec.accuracy_tolerance,
-                                   tolerance_tokens=spec.tolerance_tokens)
-        else:
-            bonus = np.zeros(group.size, dtype=np.float64)
-        self._record_received(group, task, rewards, flags, lengths, bonus)
-
+        bonus, signal, advantages = score_group(
+            rewards, lengths, advantage=self.algorithm.advantage, dynamic_sampling=self.algorithm.dynamic_sampling,
+            c=self.length_coef() if spec.enabled else None, l_max=self.sampling.max_response_tokens,
+            p_star=self.frontier.p_star(group.prompt.data_source), accuracy_tolerance=spec.accuracy_tolerance,
+            tolerance_tokens=spec.tolerance_tokens)
+        self._record_received(group, task, rewards, flagged, lengths, bonus)
+        if advantages is None:
+            self._counts["dropped_zero_signal"] += 1
+            return Admission(group.group_id, "dropped_zero_signal", flagged, 0, 0)
         if self.algorithm.dynamic_sampling:
-            kept = filter_zero_variance_groups([rewards], [bonus])
-            if kept.num_dropped:
-                self._counts["dropped_zero_signal"] += 1
-                return Admission(group.group_id, "dropped_zero_signal", int(flags.sum()), 0, 0)
-            self._counts["kept_for_length"] += kept.num_kept_for_length
-        advantages = compute_advantages(self.algorithm.advantage, rewards,
-                                        bonus if spec.enabled else None)
+            self._counts["kept_for_length"] += int(signal == "length")
         for a in (rewards, bonus, advantages, flags):
             a.flags.writeable = False
         scored = RolloutGroup(group.group_id, group.prompt, group.rollouts, group.verifications, rewards=rewards,
@@ -304,12 +293,12 @@ class RolloutBuffer:
             status: AdmissionStatus = "evicted_capacity" if group.group_id in evicted else "evicted_stale"
         else:
             status = "buffered"
-        return Admission(group.group_id, status, int(flags.sum()), stale, len(evicted))
+        return Admission(group.group_id, status, flagged, stale, len(evicted))
 
     def _record_received(self, group: RolloutGroup, task: np.ndarray, rewards: np.ndarray,
-                         flags: np.ndarray, lengths: np.ndarray, bonus: np.ndarray) -> None:
+                         flagged: int, lengths: np.ndarray, bonus: np.ndarray) -> None:
         g = group.size
-        flagged, errors = int(flags.sum()), group.num_verifier_errors
+        errors = group.num_verifier_errors
         task_sum, gated_sum = float(task.sum()), float(rewards.sum())
         bonus_rollouts = int(np.count_nonzero(bonus))
         c = self._counts

@@ -51,7 +51,7 @@ class Verification:
 NO_ROUTE = 255
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)  # slots: ~2x cheaper to build, and a rollout has no dict
 class Rollout:
     """One sampled response, as the rollout engine produced it.
 

@@ -31,6 +31,7 @@ from zrl.algorithms.length_reward import (
     length_rewards,
     tolerant_lambdas,
 )
+from zrl.algorithms.scoring import GroupScore, score_group
 from zrl.algorithms.trust_region import (
     TRUST_REGION_NAMES,
     PolicyLoss,
@@ -49,10 +50,10 @@ from zrl.algorithms.trust_region import (
 __all__ = [
     "ADVANTAGE_NAMES", "AGGREGATION_NAMES", "TRUST_REGION_NAMES",
     "AdvantageName", "AggregationName", "TrustRegionName",
-    "DynamicSamplingResult", "PolicyLoss", "SolveRateFrontier", "TrustRegionStats",
+    "DynamicSamplingResult", "GroupScore", "PolicyLoss", "SolveRateFrontier", "TrustRegionStats",
     "aggregate_loss", "binary_kl", "binary_kl_keep_mask", "binary_tv_keep_mask", "compute_advantages",
     "dppo_binary_kl_loss", "dppo_binary_tv_loss", "drgrpo_advantages", "filter_zero_variance_groups",
     "grpo_advantages", "length_coef", "length_gate", "length_lambdas", "length_rewards", "local_counts",
-    "maxrl_advantages", "policy_loss", "ppo_clip_loss", "seq_mean_token_mean", "seq_mean_token_sum_norm",
+    "maxrl_advantages", "policy_loss", "ppo_clip_loss", "score_group", "seq_mean_token_mean", "seq_mean_token_sum_norm",
     "token_mean", "tolerant_lambdas", "truncated_is_weight",
 ]

@@ -41,7 +41,7 @@ def _group_rewards(rewards: ArrayLike, what: str = "rewards") -> np.ndarray:
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1:
         raise ValueError(f"{what} must be 1-D [G], got shape {r.shape}")
-    if not np.all(np.isfinite(r)):
+    if not np.isfinite(r).all():
         raise ValueError(f"{what} must be finite, got {r.tolist()}")
     return r
 
@@ -55,11 +55,52 @@ def _bonus(length_bonus: ArrayLike | None, group_size: int) -> np.ndarray:
     return b
 
 
+# The estimators on validated input: `r` finite [G] float64, `b` finite [G] float64 (zeros: no bonus).
+# The public functions validate and call them; `zrl.algorithms.scoring` validates once per group.
+
 def _centred(r: np.ndarray) -> np.ndarray:
     # [G]; exact zeros for all-equal groups (r - mean(r) can be ~1e-17 otherwise, e.g. [0.1, 0.1, 0.1]).
-    if r.size == 0 or np.ptp(r) == 0.0:
+    if r.size == 0 or r.max() == r.min():
         return np.zeros_like(r)
     return r - r.mean()
+
+
+def _maxrl(r: np.ndarray, b: np.ndarray, min_mean_reward: float = MAXRL_MIN_MEAN_REWARD) -> np.ndarray:
+    if r.size == 0:
+        return r.copy()
+    lo, hi = r.min(), r.max()
+    if lo < 0.0 or hi > 1.0:
+        raise ValueError(
+            f"MaxRL divides by the group mean reward and needs rewards in [0, 1]; got {r.tolist()}. "
+            "Map the environment's reward into [0, 1] or use 'grpo'/'drgrpo'.")
+    rbar = float(r.mean())
+    if rbar < min_mean_reward:
+        if b.any():
+            # The length bonus needs >= 2 correct rollouts (eq. 9), so it cannot exist here.
+            raise ValueError(
+                f"non-zero length bonus {b.tolist()} in a group whose mean task reward is {rbar:g}; "
+                "the length gate (k >= 2 correct) should have closed")
+        return np.zeros_like(r)
+    centred = np.zeros_like(r) if lo == hi else r - rbar  # `_centred` with the bounds and mean at hand
+    return (centred + b) / rbar
+
+
+def _grpo(r: np.ndarray, eps: float = GRPO_STD_EPS) -> np.ndarray:
+    c = _centred(r)
+    if not c.any():
+        return c
+    return c / (float(r.std()) + eps)
+
+
+def _no_bonus(b: np.ndarray) -> None:
+    if b.any():
+        raise ValueError(
+            "advantage 'grpo' does not take a length bonus: the behavioural stage that uses GRPO has no "
+            "length reward (ZAYA1-8B report §IV-B7), and an all-correct group would divide it by std = 0")
+
+
+def _drgrpo(r: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return _centred(r) + b
 
 
 def maxrl_advantages(rewards: ArrayLike, length_bonus: ArrayLike | None = None, *,
@@ -70,22 +111,7 @@ def maxrl_advantages(rewards: ArrayLike, length_bonus: ArrayLike | None = None, 
     length_bonus: [G] additive Δr_i (numerator only) or None.
     """
     r = _group_rewards(rewards)
-    b = _bonus(length_bonus, r.shape[0])
-    if r.size and (r.min() < 0.0 or r.max() > 1.0):
-        raise ValueError(
-            f"MaxRL divides by the group mean reward and needs rewards in [0, 1]; got {r.tolist()}. "
-            "Map the environment's reward into [0, 1] or use 'grpo'/'drgrpo'.")
-    if r.size == 0:
-        return r.copy()
-    rbar = float(r.mean())
-    if rbar < min_mean_reward:
-        if np.any(b != 0.0):
-            # The length bonus needs >= 2 correct rollouts (eq. 9), so it cannot exist here.
-            raise ValueError(
-                f"non-zero length bonus {b.tolist()} in a group whose mean task reward is {rbar:g}; "
-                "the length gate (k >= 2 correct) should have closed")
-        return np.zeros_like(r)
-    return (_centred(r) + b) / rbar
+    return _maxrl(r, _bonus(length_bonus, r.shape[0]), min_mean_reward)
 
 
 def grpo_advantages(rewards: ArrayLike, *, eps: float = GRPO_STD_EPS) -> np.ndarray:
@@ -94,25 +120,24 @@ def grpo_advantages(rewards: ArrayLike, *, eps: float = GRPO_STD_EPS) -> np.ndar
     The population std is used so that G = 1 is defined (A = 0); the sample std would differ by the
     constant sqrt(G / (G - 1)).
     """
-    r = _group_rewards(rewards)
-    c = _centred(r)
-    if not np.any(c):
-        return c
-    return c / (float(r.std()) + eps)
+    return _grpo(_group_rewards(rewards), eps)
 
 
 def drgrpo_advantages(rewards: ArrayLike, length_bonus: ArrayLike | None = None) -> np.ndarray:
     """Dr-GRPO: A_i = r_i + Δr_i - rbar (mean-centred, no std division)."""
     r = _group_rewards(rewards)
-    return _centred(r) + _bonus(length_bonus, r.shape[0])
+    return _drgrpo(r, _bonus(length_bonus, r.shape[0]))
 
 
 def _grpo_dispatch(rewards: ArrayLike, length_bonus: ArrayLike | None) -> np.ndarray:
-    if length_bonus is not None and np.any(np.asarray(length_bonus, dtype=np.float64) != 0.0):
-        raise ValueError(
-            "advantage 'grpo' does not take a length bonus: the behavioural stage that uses GRPO has no "
-            "length reward (ZAYA1-8B report §IV-B7), and an all-correct group would divide it by std = 0")
+    if length_bonus is not None:
+        _no_bonus(np.asarray(length_bonus, dtype=np.float64))
     return grpo_advantages(rewards)
+
+
+def _grpo_core(r: np.ndarray, b: np.ndarray) -> np.ndarray:
+    _no_bonus(b)
+    return _grpo(r)
 
 
 _ADVANTAGES: dict[str, Callable[[ArrayLike, ArrayLike | None], np.ndarray]] = {
@@ -121,16 +146,32 @@ _ADVANTAGES: dict[str, Callable[[ArrayLike, ArrayLike | None], np.ndarray]] = {
     "drgrpo": lambda r, b: drgrpo_advantages(r, b),
 }
 ADVANTAGE_NAMES: tuple[str, ...] = tuple(_ADVANTAGES)
+# The same estimators on validated rewards and bonus (zeros: none).
+ADVANTAGE_CORES: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "maxrl": _maxrl, "grpo": _grpo_core, "drgrpo": _drgrpo}
+
+
+def _estimator(name: str, table: dict):
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {list(ADVANTAGE_NAMES)}") from None
 
 
 def compute_advantages(name: AdvantageName | str, rewards: ArrayLike,
                        length_bonus: ArrayLike | None = None) -> np.ndarray:
     """Advantages [G] of one group by estimator name ("maxrl" | "grpo" | "drgrpo", the recipe names)."""
-    try:
-        fn = _ADVANTAGES[name]
-    except KeyError:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid: {list(ADVANTAGE_NAMES)}") from None
-    return fn(rewards, length_bonus)
+    return _estimator(name, _ADVANTAGES)(rewards, length_bonus)
+
+
+def zero_signal(r: np.ndarray, b: np.ndarray) -> Literal["task", "length", "none"]:
+    """The dynamic-sampling rule on validated rewards `r` and bonus `b` (zeros: none), [G] float64: "task"
+    (task rewards differ), "length" (all equal, kept for a non-zero bonus) or "none" (dropped)."""
+    if r.size == 0:
+        return "none"
+    if r.max() > r.min():
+        return "task"
+    return "length" if b.any() else "none"
 
 
 @dataclass(frozen=True)
@@ -160,13 +201,9 @@ def filter_zero_variance_groups(task_rewards: Sequence[ArrayLike],
     for g, rewards in enumerate(task_rewards):
         r = _group_rewards(rewards)
         bonus = None if length_bonuses is None else length_bonuses[g]
-        b = _bonus(bonus, r.shape[0])
-        if r.size == 0:
-            continue
-        if np.ptp(r) > 0.0:
+        signal = zero_signal(r, _bonus(bonus, r.shape[0]))
+        if signal != "none":
             kept.append(g)
-        elif np.any(b != 0.0):
-            kept.append(g)
-            for_length += 1
+            for_length += signal == "length"
     return DynamicSamplingResult(kept=tuple(kept), num_dropped=len(task_rewards) - len(kept),
                                  num_kept_for_length=for_length)

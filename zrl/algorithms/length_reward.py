@@ -29,6 +29,7 @@ Decisions where the report is silent:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -45,16 +46,18 @@ def _lengths(lengths: ArrayLike, group_size: int) -> np.ndarray:
     lens = np.asarray(lengths)
     if lens.ndim != 1 or lens.shape[0] != group_size:
         raise ValueError(f"lengths must be 1-D with {group_size} entries, got shape {lens.shape}")
-    if lens.size and (not np.all(np.isfinite(lens)) or lens.min() < 0):
+    out = lens.astype(np.float64)
+    # One comparison per bound rejects NaN too (the min or max of an array holding NaN is NaN).
+    if out.size and not (out.min() >= 0.0 and out.max() < math.inf):
         raise ValueError(f"lengths must be finite and >= 0, got {lens.tolist()}")
-    return lens.astype(np.float64)
+    return out
 
 
 def _binary_like_rewards(rewards: ArrayLike) -> np.ndarray:
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1:
         raise ValueError(f"rewards must be 1-D [G], got shape {r.shape}")
-    if r.size and (not np.all(np.isfinite(r)) or r.min() < 0.0 or r.max() > 1.0):
+    if r.size and not (r.min() >= 0.0 and r.max() <= 1.0):  # NaN fails both
         raise ValueError(f"the length reward needs task rewards in [0, 1], got {r.tolist()}")
     return r
 
@@ -88,13 +91,19 @@ def length_gate(rewards: ArrayLike, p_star: float | None,
                 accuracy_tolerance: float = ACCURACY_TOLERANCE) -> np.ndarray:
     """m_i of eq. 9, [G] float64 of 0/1. `p_star=None` (source not yet observed) closes the gate."""
     r = _binary_like_rewards(rewards)
+    correct = _open_gate(r, p_star, accuracy_tolerance)
+    return np.zeros_like(r) if correct is None else correct.astype(np.float64)
+
+
+def _open_gate(r: np.ndarray, p_star: float | None, accuracy_tolerance: float) -> np.ndarray | None:
+    # The gate's [G] bool mask 1[r_i == 1] when the group passes it (k >= 2, p > p* - T_acc), else None.
     correct = r == 1.0
-    if r.size == 0 or p_star is None or int(correct.sum()) < 2:
-        return np.zeros_like(r)
+    if r.size == 0 or p_star is None or np.count_nonzero(correct) < 2:
+        return None
     p = float(r.mean())
     if not p > p_star - accuracy_tolerance:
-        return np.zeros_like(r)
-    return correct.astype(np.float64)
+        return None
+    return correct
 
 
 def length_rewards(rewards: ArrayLike, lengths: ArrayLike, *, l_max: float, c: float,
@@ -106,14 +115,21 @@ def length_rewards(rewards: ArrayLike, lengths: ArrayLike, *, l_max: float, c: f
     """
     r = _binary_like_rewards(rewards)
     lens = _lengths(lengths, r.shape[0])
+    return _length_rewards(r, lens, l_max=l_max, c=c, p_star=p_star, accuracy_tolerance=accuracy_tolerance,
+                           tolerance_tokens=tolerance_tokens)
+
+
+def _length_rewards(r: np.ndarray, lens: np.ndarray, *, l_max: float, c: float, p_star: float | None,
+                    accuracy_tolerance: float, tolerance_tokens: int | None) -> np.ndarray:
+    # `length_rewards` on the arrays `_binary_like_rewards` and `_lengths` return (validated once per group).
     if c < 0:
         raise ValueError(f"length-reward coefficient c must be >= 0, got {c}")
-    m = length_gate(r, p_star, accuracy_tolerance)
-    if not np.any(m):
+    correct = _open_gate(r, p_star, accuracy_tolerance)
+    if correct is None:
         return np.zeros_like(r)
-    l_min = float(lens[r == 1.0].min())
+    l_min = float(lens[correct].min())
     lam = tolerant_lambdas(lens, l_min, l_max, tolerance_tokens)
-    return c * float(r.mean()) * m * lam
+    return c * float(r.mean()) * correct.astype(np.float64) * lam
 
 
 def length_coef(step: int, *, num_steps: int, c_start: float, c_end: float) -> float:

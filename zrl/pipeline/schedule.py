@@ -116,7 +116,7 @@ class StageSchedule:
         share = math.ceil((self.in_flight_groups() + left) / len(self.workers))
         launches = []
         for index, worker in enumerate(self.workers):
-            if not worker.idle:
+            if worker.in_round or worker.syncing:  # not idle (inlined: the planner asks ~10^5 times)
                 continue
             new = max(0, min(left, self.prompts_per_batch, share - worker.groups_in_engine))
             if new == 0 and worker.groups_in_engine == 0:
