@@ -14,9 +14,10 @@
 
 Invariants:
 - Offline: the checks count sentences with NLTK's English punkt_tab model, which lm-eval downloads at
-  import unless NLTK finds it. NLTK searches `NLTK_DATA` and its default directories, then
-  `<repo>/.cache/nltk_data` (written by `python3 zrl/bootstrap.py setup`); when none has it the first
-  check stops with one line saying so, before lm-eval is imported.
+  import unless NLTK finds it. NLTK searches `NLTK_DATA` and its default directories, among them
+  `<sys.prefix>/nltk_data`, i.e. `.venv/nltk_data` (written by `python3 zrl/bootstrap.py setup`), so any
+  process of the environment finds it wherever the code runs from (a Ray job's uploaded copy too); when
+  none has it the first check stops with one line saying so, before lm-eval is imported.
 - lm-eval is imported on first use (a few seconds), not when this module is.
 - Deterministic: langdetect (the case and language checks) samples at random; its seed is fixed at 0
   so a response always gets the same verdict. The reference leaves it unseeded: clear text gets the
@@ -27,6 +28,7 @@ import difflib
 import functools
 import json
 import random
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,7 @@ from typing import Literal
 from zrl.env.base import in_split
 from zrl.types import Split
 
-NLTK_DATA = Path(__file__).resolve().parent.parent / ".cache" / "nltk_data"
+NLTK_DATA = Path(sys.prefix) / "nltk_data"  # on NLTK's default search path; the set-up writes punkt_tab there
 BASE_TASK = "Repeat the word {w}."
 _RELATIONS = ("less than", "at least")  # IFEval's comparison relations
 _END_PHRASES = ("Any other questions?", "Is there anything else I can help with?")  # IFEval's options
@@ -85,8 +87,6 @@ def _ifeval():
     import langdetect
     import nltk
 
-    if str(NLTK_DATA) not in nltk.data.path:
-        nltk.data.path.append(str(NLTK_DATA))
     try:
         nltk.data.find("tokenizers/punkt_tab/english/")
     except LookupError:

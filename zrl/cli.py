@@ -13,6 +13,7 @@ import logging
 import shlex
 import signal
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -55,6 +56,11 @@ def cmd_validate(args) -> int:
             sys.stdout.write(f"#   {item}: {problem}\n")
     else:
         sys.stdout.write("# availability: every environment and the model are available\n")
+    for stage, files in findings.data.items():
+        if files:
+            sys.stdout.write(f"# data of stage {stage}:\n")
+            for entry, path, status in files:
+                sys.stdout.write(f"#   {entry}: {path}: {status}\n")
     return 0
 
 
@@ -121,6 +127,8 @@ def cmd_eval(args) -> int:
     options = _options(args.options)
     if isinstance(options, str):
         return _error([options])
+    if not (Path(args.checkpoint) / "config.json").is_file():
+        return _error([f"{args.checkpoint}: not a checkpoint directory (no config.json)"])
     reward_model = None if args.reward_model is None else RewardModelSpec(path=args.reward_model, dtype=args.dtype)
     try:
         result = evaluate(args.checkpoint, EnvironmentSpec(name=args.env, options=options),

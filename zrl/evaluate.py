@@ -13,6 +13,7 @@ prompts from a checkpoint's own samples; draw those from `split="train"`).
 import dataclasses
 import json
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +30,27 @@ log = logging.getLogger("zrl")
 class EvalResult:
     checkpoint: str
     environment: str
-    num_prompts: int
-    accuracy: float          # mean reward over prompts x samples
+    num_prompts: int         # prompts evaluated
+    accuracy: float          # mean reward over prompts x samples (nan when no prompt was evaluated)
     verifier_errors: int
     mean_response_tokens: float
     reasons: dict[str, float]         # fraction of responses per verification `reason` (metadata)
     metadata_means: dict[str, float]  # mean of each numeric metadata value over the responses that carry it
+    skipped_long_prompts: int = 0     # prompts longer than the request's max_prompt_tokens (not evaluated)
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """One environment's problems for `evaluate_requests`; `save_rollouts` writes them with their samples."""
+
+    environment: EnvironmentSpec
+    num_prompts: int = 200
+    samples_per_prompt: int = 1
+    temperature: float = 0.0
+    max_response_tokens: int = 64
+    split: Split = "eval"
+    save_rollouts: str | None = None
+    max_prompt_tokens: int | None = None  # longer prompts are skipped and counted, as in a stage
 
 
 def evaluate(checkpoint: str | Path, environment: EnvironmentSpec, num_prompts: int = 200, seed: int = 0,
@@ -42,27 +58,53 @@ def evaluate(checkpoint: str | Path, environment: EnvironmentSpec, num_prompts: 
              dtype: str = "float32", reward_model: RewardModelSpec | None = None, split: Split = "eval",
              save_rollouts: str | Path | None = None) -> EvalResult:
     """`reward_model`: the scorer of reward-model environments (run in this process)."""
+    request = EvalRequest(environment, num_prompts, samples_per_prompt, temperature, max_response_tokens, split,
+                          None if save_rollouts is None else str(save_rollouts))
+    return evaluate_requests(checkpoint, [request], seed, dtype, reward_model)[0]
+
+
+def evaluate_requests(checkpoint: str | Path, requests: list[EvalRequest], seed: int = 0, dtype: str = "float32",
+                      reward_model: RewardModelSpec | None = None) -> list[EvalResult]:
+    """Every request through one engine (started once for all of them), in order."""
     from transformers import AutoTokenizer
 
     from serving.engine import RolloutEngine, SamplingConfig
 
-    env = build_environment(environment)
-    if getattr(env, "uses_reward_model", False):
-        if reward_model is None:
-            raise ValueError(f"{environment.name!r} scores with a reward model: give one (--reward-model)")
-        from zrl.reward_model import RewardModelClient
+    scorer = None
+    envs = []
+    for request in requests:
+        env = build_environment(request.environment)
+        if getattr(env, "uses_reward_model", False):
+            if reward_model is None:
+                raise ValueError(f"{request.environment.name!r} scores with a reward model: give one (--reward-model)")
+            if scorer is None:
+                from zrl.reward_model import RewardModelClient
 
-        env.use_reward_model(RewardModelClient.local(reward_model))
-    prompts = env.sample(num_prompts, seed=seed, split=split)
+                scorer = RewardModelClient.local(reward_model)
+            env.use_reward_model(scorer)
+        envs.append(env)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    ids = [tokenizer(tokenizer.apply_chat_template(p.chat(), add_generation_prompt=True, tokenize=False),
-                     add_special_tokens=False)["input_ids"] for p in prompts]
-    engine = RolloutEngine(checkpoint, dtype=dtype, max_model_len=max(map(len, ids)) + max_response_tokens, seed=seed)
+    prompts = [env.sample(r.num_prompts, seed=seed, split=r.split) for env, r in zip(envs, requests)]
+    ids, skipped = [], []
+    for i, (batch, r) in enumerate(zip(prompts, requests)):
+        encoded = [tokenizer(tokenizer.apply_chat_template(p.chat(), add_generation_prompt=True, tokenize=False),
+                             add_special_tokens=False)["input_ids"] for p in batch]
+        kept = [j for j, e in enumerate(encoded) if r.max_prompt_tokens is None or len(e) <= r.max_prompt_tokens]
+        prompts[i], skipped = [batch[j] for j in kept], skipped + [len(batch) - len(kept)]
+        ids.append([encoded[j] for j in kept])
+    max_model_len = max(max(map(len, batch), default=0) + r.max_response_tokens for batch, r in zip(ids, requests))
+    engine = RolloutEngine(checkpoint, dtype=dtype, max_model_len=max_model_len, seed=seed)
     try:
-        sampling = SamplingConfig(max_tokens=max_response_tokens, temperature=temperature, seed=seed)
-        outputs = engine.generate(ids, samples_per_prompt, sampling)
+        outputs = [engine.generate(batch, r.samples_per_prompt,
+                                   SamplingConfig(max_tokens=r.max_response_tokens, temperature=r.temperature, seed=seed))
+                   if batch else [] for batch, r in zip(ids, requests)]
     finally:
         engine.close()
+    return [_score(str(checkpoint), env, r, batch, out, n_skipped)
+            for env, r, batch, out, n_skipped in zip(envs, requests, prompts, outputs, skipped)]
+
+
+def _score(checkpoint: str, env, request: EvalRequest, prompts, outputs, skipped: int) -> EvalResult:
     verifications, lengths, rows = [], [], []
     for prompt, samples in zip(prompts, outputs):
         texts = [sample.text for sample in samples]
@@ -71,8 +113,10 @@ def evaluate(checkpoint: str | Path, environment: EnvironmentSpec, num_prompts: 
         verifications += group
         lengths += [len(sample.token_ids) for sample in samples]
         rows.append({"prompt": dataclasses.asdict(prompt), "responses": texts, "rewards": [v.reward for v in group]})
-    if save_rollouts is not None:
-        Path(save_rollouts).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if request.save_rollouts is not None:
+        path = Path(request.save_rollouts)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     reasons = Counter(str(v.metadata["reason"]) for v in verifications if "reason" in v.metadata)
     numbers: dict[str, list[float]] = {}
     for v in verifications:
@@ -80,9 +124,10 @@ def evaluate(checkpoint: str | Path, environment: EnvironmentSpec, num_prompts: 
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 numbers.setdefault(key, []).append(float(value))
     n = len(verifications)
-    return EvalResult(checkpoint=str(checkpoint), environment=environment.name, num_prompts=num_prompts,
-                      accuracy=sum(v.reward for v in verifications) / n,
+    return EvalResult(checkpoint=checkpoint, environment=request.environment.name, num_prompts=len(prompts),
+                      accuracy=sum(v.reward for v in verifications) / n if n else math.nan,
                       verifier_errors=sum(v.error is not None for v in verifications),
-                      mean_response_tokens=sum(lengths) / len(lengths),
+                      mean_response_tokens=sum(lengths) / n if n else math.nan,
                       reasons={k: c / n for k, c in sorted(reasons.items())},
-                      metadata_means={k: sum(vs) / len(vs) for k, vs in sorted(numbers.items())})
+                      metadata_means={k: sum(vs) / len(vs) for k, vs in sorted(numbers.items())},
+                      skipped_long_prompts=skipped)

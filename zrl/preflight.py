@@ -13,7 +13,11 @@ the same paths schema errors use) and one line saying what is wrong. Two kinds:
 - a *missing* item is named by the recipe but absent here: an environment name nobody registered, or a
   model or reward-model directory that does not exist (and is not built). A recipe is validated where its environments
   need not be installed, so `zrl validate` only notes these; `zrl run` refuses them. A data file an
-  environment's options name that does not exist here is missing too.
+  environment's options name that does not exist here is missing too. An entry whose data an earlier
+  stage of the run writes (`self_rollouts`, named with `{output_dir}`) is not built here.
+
+`Findings.data` lists, per stage, every data file (an option value ending in .jsonl, .json, .parquet
+or .csv) with whether it is present, missing or written by an earlier stage: `zrl validate` prints it.
 
 Every environment of every stage is built with its options and asked for `SAMPLE_SIZE` prompts with
 seed `SAMPLE_SEED` (sft stages also for their demonstrations), exactly as the run's prompt source would
@@ -35,10 +39,14 @@ SAMPLE_SEED = 0
 Finding = tuple[str, str]
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # an option value naming a data file
+
+
 @dataclass
 class Findings:
     problems: list[Finding] = field(default_factory=list)
     missing: list[Finding] = field(default_factory=list)
+    data: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)  # stage -> (entry, file, status)
 
 
 def check(recipe: Recipe) -> Findings:
@@ -47,9 +55,11 @@ def check(recipe: Recipe) -> Findings:
     findings.problems += _output_dir(Path(recipe.output_dir))
     context = _model(recipe, findings)
     tokenizer = _Tokenizer(recipe)
+    produced = recipe.produced_files()
     for i, stage in enumerate(recipe.stages):
         findings.problems += _context(stage, f"stages[{i}]", context)
-        _environments(stage, f"stages[{i}]", tokenizer, findings, recipe.reward_model is not None)
+        findings.data[stage.name] = data_files(stage, produced)
+        _environments(stage, f"stages[{i}]", tokenizer, findings, recipe.reward_model is not None, produced)
     findings.problems += tokenizer.problems
     _reward_model(recipe, findings)
     return findings
@@ -171,10 +181,36 @@ class _Tokenizer:
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def _environments(stage, where: str, tokenizer: _Tokenizer, findings: Findings, reward_model: bool) -> None:
+def _file_options(value) -> list[str]:
+    if isinstance(value, str):
+        return [value] if value.endswith(DATA_SUFFIXES) else []
+    if isinstance(value, dict):
+        return [f for v in value.values() for f in _file_options(v)]
+    if isinstance(value, list):
+        return [f for v in value for f in _file_options(v)]
+    return []
+
+
+def data_files(stage, produced: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(entry, file, status) for every data file the stage's entries name in their options; status is
+    "present", "missing" or "written by stage <name>" (an earlier stage's self-rollouts)."""
+    out = []
+    for key, spec in zip(stage.entry_keys(), stage.environments):
+        for path in _file_options(spec.options):
+            status = (f"written by stage {produced[path]}" if path in produced
+                      else "present" if Path(path).exists() else "missing")
+            out.append((key, path, status))
+    return out
+
+
+def _environments(stage, where: str, tokenizer: _Tokenizer, findings: Findings, reward_model: bool,
+                  produced: dict[str, str]) -> None:
     keys = []
     for j, spec in enumerate(stage.environments):
         entry = f"{where}.environments[{j}]"
+        if set(_file_options(spec.options)) & set(produced):
+            keys.append(spec.key or spec.name)  # its data is written by an earlier stage of the run
+            continue
         env = _build(spec, entry, findings)
         if env is None:
             continue

@@ -16,7 +16,9 @@ steps: a run directory runs/tiny-cpu-<date>-<time> with both stages exported, an
 Every command runs even after one failed, as a reader going on would, and each failure is reported
 with its command: one run lists every broken instruction. The README's Python block (the environment
 plugin) is run by tests/unit/env/test_readme_example.py and tests/e2e/test_plugin_env.py. Every run
-directory the commands made, the submitted job's included, is checked for a complete run.
+directory the commands made, the submitted job's included, is checked for a complete run (every stage
+trained all its steps and was exported). The submitted job is the mini ZAYA1 cascade
+(recipes/zaya1-mini-cpu.yaml): its hand-offs between stages and its cascade report are checked too.
 
 `ray stop` runs when the script ends, whatever happened. It stops every Ray instance of this user on
 the machine, as it would for the reader: the suite runs one test at a time and no other test keeps
@@ -56,7 +58,7 @@ trap 'echo "{FAILED} (exit $?): $BASH_COMMAND" >&2' ERR
 PS4='+ [$(date +%T)] '
 set -x
 """
-TIMEOUT_S = 1200
+TIMEOUT_S = 2400
 
 
 def readme_script() -> str:
@@ -122,6 +124,36 @@ def assert_complete_run(run_dir: Path) -> None:
     assert not (run_dir / "driver.json").exists(), run_dir
 
 
+def assert_cascade_handoffs(run_dir: Path) -> None:
+    """A cascade of several stages carried its state from stage to stage, and its report exists: every RL
+    stage after the first took the length-reward frontier the previous stage handed on; an adaptive entry
+    that continues took over its schedulers; an entry whose rollouts an earlier stage writes found that
+    stage's file; every stage's export was evaluated when the recipe asks for it."""
+    recipe = yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text())
+    records = [json.loads((run_dir / "stages" / s["name"] / "stage.json").read_text()) for s in recipe["stages"]]
+    report = (run_dir / "cascade_report.html").read_text()
+    rl_seen, adaptive_keys = False, set()
+    for stage, record, previous in zip(recipe["stages"], records, [None, *records]):
+        assert f"<td>{stage['name']}</td>" in report, stage["name"]
+        if stage["evaluation"]["prompts"]:
+            keys = [e["key"] or e["name"] for e in stage["environments"]]
+            assert sorted(record["evaluation"]) == sorted(keys), (stage["name"], record["evaluation"])
+        for r in stage["self_rollouts"]:
+            assert Path(record["self_rollouts"][r["entry"]]).stat().st_size > 0, (stage["name"], r)
+        for entry in stage["environments"]:
+            rollouts = entry["options"].get("rollouts", "")
+            if rollouts.startswith(str(run_dir)):  # written by an earlier stage of this run
+                assert rollouts in previous["self_rollouts"].values(), (stage["name"], rollouts)
+        if stage["kind"] != "rl":
+            continue
+        if rl_seen:
+            handed = sorted(previous["handoff"]["length_reward_frontier"])
+            assert handed and record["inherited"]["length_reward_frontier"] == handed, (stage["name"], record)
+        adaptive = {e["key"] or e["name"] for e in stage["environments"] if e["difficulty"] == "adaptive"}
+        assert set(record["inherited"]["curriculum"]) == adaptive & adaptive_keys, (stage["name"], record)
+        rl_seen, adaptive_keys = True, adaptive_keys | adaptive
+
+
 def test_readme_commands_run_as_written(tmp_path):
     script = readme_script()
     code = commands(script)
@@ -161,5 +193,9 @@ def test_readme_commands_run_as_written(tmp_path):
     assert len(runs) == code.count("zrl run"), runs
     for run_dir in runs:
         assert_complete_run(run_dir)
+    cascades = [r for r in runs if yaml.safe_load((r / "recipe.resolved.yaml").read_text())["name"] == "zaya1-mini-cpu"]
+    assert cascades, f"the README submits no zaya1-mini-cpu job: {runs}"
+    for run_dir in cascades:
+        assert_cascade_handoffs(run_dir)
     assert len(re.findall(r"Job '[^']+' succeeded", text)) == code.count("ray job submit"), text[-6000:]
     assert text.count('"accuracy":') == code.count("zrl eval"), text[-6000:]

@@ -16,9 +16,12 @@ Invariants:
 """
 
 from difflib import get_close_matches
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+OUTPUT_DIR_FIELD = "{output_dir}"  # in an environment option: the recipe's output_dir
 
 
 class Strict(BaseModel):
@@ -320,22 +323,55 @@ class Inherit(Strict):
                                                "(their posteriors and current levels; no new calibration)")
 
 
+class Evaluation(Strict):
+    """Held-out accuracy of the stage's export on each of its entries, measured after the export (on the
+    rollout pool's first bundle) and recorded in the stage record and the cascade report."""
+
+    prompts: int = Field(0, ge=0, description="held-out prompts per entry; 0 = no evaluation")
+    samples: int = Field(1, ge=1, description="samples per prompt")
+    temperature: float = Field(1.0, ge=0)
+    max_response_tokens: int = Field(64, ge=1)
+
+
+class SelfRollouts(Strict):
+    """The stage export's own samples on an entry's training problems, written after the export to
+    `<output_dir>/stages/<stage>/rollouts/<entry>.jsonl`: the rollouts file of a later stage's
+    `aggregation` entries (self-aggregation), named there as `{output_dir}/stages/<stage>/rollouts/<entry>.jsonl`."""
+
+    entry: str = Field(min_length=1, description="the key (or name) of one of the stage's environments")
+    prompts: int = Field(64, ge=1)
+    samples: int = Field(8, ge=2, description="responses per problem (aggregation draws C of them)")
+    temperature: float = Field(1.0, ge=0)
+    max_response_tokens: int = Field(64, ge=1)
+
+
 class StageBase(Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     steps: int = Field(ge=1, description="trainer optimizer steps")
     environments: list[EnvironmentSpec] = Field(min_length=1)
     checkpoint_every_steps: int = Field(50, ge=1)
     inherit: Inherit = Inherit()
+    evaluation: Evaluation = Evaluation()
+    self_rollouts: list[SelfRollouts] = Field(default_factory=list)
+
+    def entry_keys(self) -> list[str]:
+        return [e.key or e.name for e in self.environments]
+
+    def self_rollouts_path(self, output_dir: str | Path, entry: str) -> Path:
+        return Path(output_dir) / "stages" / self.name / "rollouts" / f"{entry}.jsonl"
 
     @model_validator(mode="after")
     def _unique_environment_keys(self):
         # `name` stands in for an unset key: an environment's own name is its registry name, except for a
         # `module:Class` reference, whose class name zrl.prompts checks again once the class is loaded.
-        keys = [e.key or e.name for e in self.environments]
+        keys = self.entry_keys()
         repeated = sorted({k for k in keys if keys.count(k) > 1})
         if repeated:
             raise ValueError(f"environments {repeated} are listed more than once; give each entry a distinct `key` "
                              "(its prompts, verifier and reward/<key> metric are found by it)")
+        unknown = [r.entry for r in self.self_rollouts if r.entry not in keys]
+        if unknown:
+            raise ValueError(f"self_rollouts: {unknown} are not entries of this stage (entries: {keys})")
         return self
 
 
@@ -396,3 +432,27 @@ class Recipe(Strict):
         if duplicates:
             raise ValueError(f"stage names must be unique; repeated: {duplicates}")
         return self
+
+    @model_validator(mode="after")
+    def _resolve_output_dir(self):
+        # `{output_dir}` in an environment option names a file of this run (e.g. an earlier stage's rollouts),
+        # wherever `--set output_dir=...` put it.
+        for stage in self.stages:
+            for spec in stage.environments:
+                spec.options = _with_output_dir(spec.options, self.output_dir)
+        return self
+
+    def produced_files(self) -> dict[str, str]:
+        """Files the run writes for its own later stages: path -> the stage that writes it."""
+        return {str(stage.self_rollouts_path(self.output_dir, r.entry)): stage.name
+                for stage in self.stages for r in stage.self_rollouts}
+
+
+def _with_output_dir(value, output_dir: str):
+    if isinstance(value, str):
+        return value.replace(OUTPUT_DIR_FIELD, output_dir)
+    if isinstance(value, dict):
+        return {k: _with_output_dir(v, output_dir) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_with_output_dir(v, output_dir) for v in value]
+    return value

@@ -2,8 +2,13 @@
 
 The trainer pool (one FSDP2 process group) lives for the whole cascade, so each stage starts from the
 previous stage's final policy in memory. At the end of every stage the policy is written as a Hugging
-Face `zaya` checkpoint (`<output_dir>/stages/<name>/hf`), a summary figure of the stage's metrics
-(`stages/<name>/summary.png`, zrl/plots.py) and, last, the stage record `stages/<name>/stage.json`.
+Face `zaya` checkpoint (`<output_dir>/stages/<name>/hf`); the stage's `evaluation` (held-out accuracy of
+that export per entry) and `self_rollouts` files (its samples on an entry's training problems, the
+rollouts of a later stage's aggregation entries), both from one engine on the rollout pool's first
+bundle; a summary figure of the stage's metrics (`stages/<name>/summary.png`, zrl/plots.py) and, last,
+the stage record `stages/<name>/stage.json`: bounds, wall time, evaluation, what the stage took from the
+previous one (`inherited`: the length-reward frontier's sources, the curriculum keys taken over) and
+what it hands on (`handoff`). After the last stage, `cascade_report.html` (zrl/cascade_report.py).
 Rollout workers are per stage (their engine limits follow the stage's lengths) and get the trainer's
 weights before they generate. Checkpoints (torch.distributed.checkpoint, any number of ranks) go to
 `<output_dir>/checkpoints/step_XXXXXX`, with `latest.json` {stage, step, path} naming the newest complete
@@ -41,16 +46,17 @@ import os
 import secrets
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import RayError, RayTaskError
 
+from zrl.cascade_report import STAGE_RECORD, write_cascade_report
 from zrl.config.schema import Recipe, RLStage
 from zrl.env import registry
 from zrl.metrics import MetricsLogger
-from zrl.pipeline.faults import trainer_results
+from zrl.pipeline.faults import reason_of, trainer_results
 from zrl.pipeline.pools import Pool, release, reserve_pools
 from zrl.pipeline.rl_stage import RANK_FAILURE_GRACE_S, RLStageRunner, StageContext
 from zrl.pipeline.sft_stage import run_sft_stage
@@ -59,7 +65,6 @@ from zrl.pipeline.trainer_rank import TrainerRank
 log = logging.getLogger("zrl")
 
 LATEST = "latest.json"
-STAGE_RECORD = "stage.json"
 WANDB_ID_FILE = "wandb_run_id"
 
 
@@ -166,6 +171,7 @@ class Cascade:
         self.metrics: MetricsLogger | None = None
         self._frontier: dict | None = None  # running max solve rates at the end of the last RL stage
         self._curriculum: dict | None = None  # difficulty-scheduler state at the end of the last RL stage
+        self._inherited: dict | None = None   # what the running stage took from the previous one (its record)
 
     def run(self) -> int:
         """Run every stage (from the resume point, if any); returns the final trainer step."""
@@ -185,12 +191,14 @@ class Cascade:
             if point is not None:
                 data_state = self._load_checkpoint(ranks, point)
                 step = point.step
+                if "buffer" in data_state:  # an RL stage's: what it hands on, should it be finished already
+                    self._frontier, self._curriculum = data_state["buffer"]["frontier"], data_state.get("curriculum")
             for index in range(first, len(stages)):
                 stage, (first_step, last_step) = stages[index], bounds[index]
                 if index > first:
                     ray.get([r.set_settings.remote(trainer_settings(self.recipe, stage),
                                                    stage.inherit.optimizer_state) for r in ranks])
-                started = time.perf_counter()
+                started, self._inherited = time.perf_counter(), None
                 if step < last_step:
                     step = self._run_stage(stage, ranks, first_step, step, data_state if index == first else None)
                 elif stage_finished(self.run_dir, stage.name, last_step):
@@ -198,6 +206,8 @@ class Cascade:
                              first_step + 1, last_step)
                     continue
                 self._finish_stage(index, ranks, step, time.perf_counter() - started)
+            report = write_cascade_report(self.run_dir, self.recipe.name)
+            log.info("cascade report: %s", report)
             return step
         finally:
             self.close()
@@ -287,6 +297,7 @@ class Cascade:
         frontier = self._frontier if stage.inherit.length_reward_state else None
         curriculum = self._curriculum if stage.inherit.curriculum else None
         runner = RLStageRunner(stage, ctx, first_version=first_step, frontier=frontier, curriculum=curriculum, **resume)
+        self._inherited = None if data_state else runner.inherited
         step = runner.run()
         self._frontier, self._curriculum = runner.final_frontier, runner.final_curriculum
         return step
@@ -314,17 +325,59 @@ class Cascade:
         stage_dir = self.run_dir / "stages" / stage.name
         hf_dir = stage_dir / "hf"
         ray.get([r.export_hf.remote(str(hf_dir), self.recipe.model.dtype) for r in ranks])
+        evaluation = self._evaluate_export(stage, hf_dir)
         summary = None
         if self.recipe.metrics.jsonl:
             summary = plot_stage_summary(self.run_dir / "metrics.jsonl", index, stage_dir / "summary.png",
                                          title=f"{self.recipe.name} / stage {stage.name}")
         first_step, last_step = stage_bounds(self.recipe)[index]
+        curriculum = [] if self._curriculum is None else sorted(self._curriculum["curriculum"]["schedulers"])
         record = {"stage": stage.name, "index": index, "first_step": first_step, "last_step": last_step,
                   "hf": str(hf_dir), "summary_png": None if summary is None else str(summary),
+                  "wall_s": elapsed_s, "evaluation": evaluation,
+                  "self_rollouts": {r.entry: str(stage.self_rollouts_path(self.recipe.output_dir, r.entry))
+                                    for r in stage.self_rollouts},
+                  "inherited": self._inherited,
+                  "handoff": {"length_reward_frontier": self._frontier or {}, "curriculum": curriculum},
                   "finished_at": time.time()}
         _write_atomic(stage_dir / STAGE_RECORD, json.dumps(record, indent=1) + "\n")
         log.info("stage %r finished at trainer step %d in %.0f s; policy exported to %s%s", stage.name, step,
                  elapsed_s, hf_dir, "" if summary is None else f", summary plot {summary}")
+
+    def _evaluate_export(self, stage, hf_dir: Path) -> dict[str, dict]:
+        """The stage's held-out evaluation and self-rollouts files, one engine on the rollout pool's first
+        bundle (free between stages); returns {entry: result} of the evaluation."""
+        from zrl.evaluate import EvalRequest, evaluate_requests
+
+        e, specs = stage.evaluation, dict(zip(stage.entry_keys(), stage.environments))
+        limit = stage.sampling.max_prompt_tokens if isinstance(stage, RLStage) else stage.max_sequence_tokens
+        keys = list(specs) if e.prompts else []
+        requests = [EvalRequest(specs[k], e.prompts, e.samples, e.temperature, e.max_response_tokens,
+                                max_prompt_tokens=limit) for k in keys]
+        requests += [EvalRequest(specs[r.entry], r.prompts, r.samples, r.temperature, r.max_response_tokens,
+                                 split="train", save_rollouts=str(stage.self_rollouts_path(self.recipe.output_dir, r.entry)),
+                                 max_prompt_tokens=limit)
+                     for r in stage.self_rollouts]
+        if not requests:
+            return {}
+        task = ray.remote(evaluate_requests).options(**self.rollout_pool.options(0), max_retries=0)
+        try:
+            results = ray.get(task.remote(str(hf_dir), requests, self.recipe.seed, self.recipe.model.dtype,
+                                          self.recipe.reward_model))
+        except RayTaskError as exc:  # a report, not the run: the stage is recorded without it
+            log.error("stage %r: the evaluation of its export failed (%s); no held-out accuracy or self-rollouts "
+                      "for this stage", stage.name, reason_of(exc))
+            return {}
+        for r, result in zip(stage.self_rollouts, results[len(keys):]):
+            log.info("stage %r: self-rollouts of %s written to %s (%d problems x %d, mean reward %.3f)", stage.name,
+                     r.entry, stage.self_rollouts_path(self.recipe.output_dir, r.entry), r.prompts, r.samples,
+                     result.accuracy)
+        evaluation = {k: asdict(result) for k, result in zip(keys, results)}
+        if evaluation:
+            log.info("stage %r: held-out accuracy %s (%d prompts x %d samples, temperature %g)", stage.name,
+                     ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in evaluation.items()), e.prompts, e.samples,
+                     e.temperature)
+        return evaluation
 
     def _log(self, stage):
         """The stage's metric sink: every `metrics.log_every_steps` steps and at the stage's last step."""

@@ -122,8 +122,9 @@ class RLStageRunner:
         # only the adaptive entries' environments are built here (their levels and tasks)
         adaptive = adaptive_entries(build_entries([e for e in stage.environments if e.difficulty == "adaptive"]))
         self.curriculum = StageCurriculum(adaptive, seed=ctx.seed) if adaptive else None
-        if self.curriculum is not None and curriculum:
-            self.curriculum.inherit(curriculum)
+        taken = self.curriculum.inherit(curriculum) if self.curriculum is not None and curriculum else []
+        # what the stage took from the previous one (recorded in its stage record)
+        self.inherited = {"length_reward_frontier": sorted(frontier or {}), "curriculum": taken}
         self.final_curriculum: dict | None = curriculum  # set when the stage closes, when it has adaptive entries
         self.verifiers = VerifierPool(stage.environments, a.verifier_timeout_s, ctx.verifier_workers,
                                       ctx.cpus_per_verifier_worker)
@@ -264,6 +265,8 @@ class RLStageRunner:
         c.rollout_busy_s += report.busy_s
         c.skipped_long_prompts += report.skipped_long_prompts
         self.watchdog.prompts_skipped(report.skipped_long_prompts)
+        for key, level in report.skipped_levels:  # a problem too long to pose is one the policy cannot solve
+            self.curriculum.report_unposable(key, level, self.stage.sampling.group_size)
         c.generated_array_bytes += report.array_bytes
         c.canary_sums.update(report.canary_sums)
         c.rollouts_generated += sum(t.num_rollouts for t in report.tickets)
@@ -528,6 +531,8 @@ class RLStageRunner:
                  "workers": list(self.worker_states)}
         if self.curriculum is not None:
             state["curriculum"] = self.curriculum.state_dict()
+        elif self.final_curriculum is not None:  # an earlier stage's, passed on through this one
+            state["curriculum"] = self.final_curriculum
         return state
 
     def _restore(self, state: dict) -> None:
@@ -539,6 +544,8 @@ class RLStageRunner:
         ray.get(self.buffer.load_state_dict.remote(state["buffer"]))
         if self.curriculum is not None and "curriculum" in state:
             self.curriculum.load_state_dict(state["curriculum"])
+        elif "curriculum" in state:
+            self.final_curriculum = state["curriculum"]
         saved = state["workers"]
         if len(saved) != len(self.workers):
             log.warning("the checkpoint holds the prompt positions of %d rollout worker(s), this run has %d: "

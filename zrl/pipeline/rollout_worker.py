@@ -83,6 +83,7 @@ class RoundReport:
     busy_s: float                  # wall time spent in engine steps
     policy_version: int            # the engine's policy version at the end of the round
     skipped_long_prompts: int = 0
+    skipped_levels: tuple = ()     # (scheduler key, level) of each skipped prompt of an adaptive entry
     array_bytes: int = 0           # bytes of the finished groups' rollout arrays (published, not in the report)
     canary_sums: dict = field(default_factory=dict)  # monitor name -> sum over the finished rollouts
     environment_counts: dict = field(default_factory=dict)  # entry key -> its environment's metrics()
@@ -158,7 +159,7 @@ class RolloutWorker:
         finished, busy = [], 0.0
         deadline = time.perf_counter() + self.round_seconds
         before = self._in_flight_tokens()
-        skipped = self._submit_drawn()
+        skipped = self._submit_drawn()  # levels of the prompts skipped as too long (None: not adaptive)
         while (now := time.perf_counter()) < deadline:
             if not self.engine.has_unfinished():
                 if not self._drawing:
@@ -179,7 +180,8 @@ class RolloutWorker:
                    for g, level in finished]
         in_flight = len(self._open) + sum(d.groups for d in self._drawing)
         return RoundReport(tickets=tickets, in_flight_groups=in_flight, generated_tokens=generated,
-                           busy_s=busy, policy_version=self.engine.version, skipped_long_prompts=skipped,
+                           busy_s=busy, policy_version=self.engine.version, skipped_long_prompts=len(skipped),
+                           skipped_levels=tuple(level for level in skipped if level is not None),
                            array_bytes=sum(rollout_array_bytes(r) for g, _ in finished for r in g.rollouts),
                            canary_sums=self._token_canaries([g for g, _ in finished]), state=self.state_dict(),
                            environment_counts={e.key: e.env.metrics() for e in self.source.entries})
@@ -257,10 +259,10 @@ class RolloutWorker:
         index = self._drawing[-1].index + 1 if self._drawing else self.source.draws
         self._drawing.append(_Draw(index, n, self._drawer.submit(self.source.draw, n, levels)))
 
-    def _submit_drawn(self) -> int:
-        """Submit the finished draws at the head of the queue, in order; the number of prompts skipped as
-        too long. A draw that raised (an environment's fault) raises here."""
-        skipped = 0
+    def _submit_drawn(self) -> list[tuple[str, int] | None]:
+        """Submit the finished draws at the head of the queue, in order; the level of each prompt skipped
+        as too long. A draw that raised (an environment's fault) raises here."""
+        skipped = []
         tokenizer = self.engine.tokenizer
         while self._drawing and self._drawing[0].result.done():
             draw = self._drawing[0]
@@ -268,7 +270,7 @@ class RolloutWorker:
                 text = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=False)
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
                 if len(ids) > self.max_prompt_tokens:
-                    skipped += 1
+                    skipped.append(level)
                     continue
                 seed = int(self._rng.integers(2**31))
                 group = self.engine.submit(ids, self.group_size, self.sampling, seed=seed)

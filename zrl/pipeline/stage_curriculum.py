@@ -99,12 +99,20 @@ class StageCurriculum:
         """A verified group drawn at `level`; False when it updated nothing (stale, or a verifier error)."""
         if any(v.error for v in verifications):
             return False
-        successes = sum(v.reward >= SUCCESS_REWARD for v in verifications)
+        return self._record(key, level, sum(v.reward >= SUCCESS_REWARD for v in verifications), len(verifications))
+
+    def report_unposable(self, key: str, level: int, group_size: int) -> bool:
+        """A prompt drawn at `level` and skipped as longer than max_prompt_tokens: a group of `group_size`
+        failures (the policy cannot solve what it is not shown), so a level whose problems outgrow the
+        prompt limit pushes its scheduler down instead of holding it there unheard."""
+        return self._record(key, level, 0, group_size)
+
+    def _record(self, key: str, level: int, successes: int, responses: int) -> bool:
         window = self._window[key]
         window[0] += successes
-        window[1] += len(verifications)
+        window[1] += responses
         window[3] += 1
-        accepted = self.curriculum.report(key, level, successes, len(verifications))
+        accepted = self.curriculum.report(key, level, successes, responses)
         window[2] += not accepted
         if self.calibrating:
             self.calibration_groups += 1
@@ -171,9 +179,10 @@ class StageCurriculum:
         self.calibrating = state["calibrating"]
         self.calibration_groups = state["calibration_groups"]
 
-    def inherit(self, state: dict) -> None:
+    def inherit(self, state: dict) -> list[str]:
         """Take over the schedulers of the previous stage's entries with the same keys and settings (their
-        posteriors and current levels); those need no calibration. Other entries start fresh."""
+        posteriors and current levels); those need no calibration. Other entries start fresh. Returns the
+        keys taken over."""
         saved = state["curriculum"]["schedulers"]
         taken = []
         for key in self.keys:
@@ -186,6 +195,7 @@ class StageCurriculum:
                 log.warning("curriculum: %s starts fresh, not from the previous stage's scheduler (%s)", key, exc)
         self.calibrating = self.calibrating and len(taken) < len(self.keys)
         log.info("curriculum: inherited the scheduler state of %s from the previous stage", ", ".join(taken) or "no entry")
+        return taken
 
 
 def _scheduler_keys(entry: AdaptiveEntry) -> list[str]:

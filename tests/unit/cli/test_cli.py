@@ -68,6 +68,20 @@ def test_validate_prints_resolved_recipe_and_availability(tmp_path):
     assert "model.path: m is not a zaya checkpoint directory" in result.stdout
 
 
+def test_validate_lists_each_stages_data_files(tmp_path):
+    run = tmp_path / "run"
+    result = zrl("validate", "recipes/zaya1-mini-cpu.yaml", "--set", f"output_dir={run}")
+    assert result.returncode == 0, result.stderr
+    assert "# availability: every environment and the model are available" in result.stdout
+    assert (f"# data of stage math_code_ttc_general:\n#   copy_ttc_self: {run}/stages/rlve_gym/rollouts/strings.jsonl: "
+            "written by stage rlve_gym\n") in result.stdout
+    present = GOOD.replace("{name: no_such_env}", "{name: math, options: {data_files: environments/data/math_sample.jsonl}}, "
+                                                  "{name: math, key: m2, options: {data_files: [nowhere/m.jsonl]}}")
+    result = zrl("validate", write(tmp_path, present))
+    assert ("# data of stage s:\n#   math: environments/data/math_sample.jsonl: present\n"
+            "#   m2: nowhere/m.jsonl: missing\n") in result.stdout
+
+
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")))
 def test_every_shipped_recipe_validates(recipe):
     result = zrl("validate", f"recipes/{recipe}")

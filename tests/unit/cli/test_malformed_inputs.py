@@ -436,3 +436,8 @@ def test_eval_options_that_are_not_a_mapping(capsys):
     err = capsys.readouterr().err
     assert err.startswith("zrl: error: --options: expected a mapping") and "Traceback" not in err
 
+
+
+def test_eval_of_a_checkpoint_that_does_not_exist(capsys, tmp_path):
+    assert main(["eval", str(tmp_path / "stages" / "x" / "hf"), "--env", "strings"]) == 2
+    assert capsys.readouterr().err == f"zrl: error: {tmp_path}/stages/x/hf: not a checkpoint directory (no config.json)\n"

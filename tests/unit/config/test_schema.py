@@ -246,3 +246,31 @@ def test_an_environment_listed_twice_needs_distinct_keys():
     assert parse_recipe(minimal(environments=[twice[0], keyed[1]])).stages[0].environments[0].key is None
     [line] = errors_of(minimal(environments=[twice[0] | {"key": "strings/copy"}]))
     assert line.startswith("stages[0].environments[0].key: ") and "pattern" in line
+
+
+def test_output_dir_in_environment_options_is_the_recipes_output_dir():
+    data = minimal()
+    data["stages"][0]["environments"] = [{"name": "aggregation", "options": {
+        "env": "strings", "rollouts": "{output_dir}/stages/a/rollouts/strings.jsonl", "nested": ["{output_dir}/x"]}}]
+    apply_override(data, "output_dir=/runs/here")
+    recipe = parse_recipe(data, "r.yaml")
+    options = recipe.stages[0].environments[0].options
+    assert options["rollouts"] == "/runs/here/stages/a/rollouts/strings.jsonl"
+    assert options["nested"] == ["/runs/here/x"]
+
+
+def test_self_rollouts_name_an_entry_of_their_stage_and_say_where_they_are_written():
+    data = minimal(self_rollouts=[{"entry": "arithmetic", "prompts": 4, "samples": 2}])
+    data["stages"].append({"name": "t", "kind": "rl", "steps": 1, "environments": [{"name": "strings"}]})
+    recipe = parse_recipe(data, "r.yaml")
+    assert recipe.produced_files() == {"out/stages/s/rollouts/arithmetic.jsonl": "s"}
+    data["stages"][0]["self_rollouts"] = [{"entry": "strings"}]
+    assert errors_of(data) == ["stages[0]: self_rollouts: ['strings'] are not entries of this stage "
+                               "(entries: ['arithmetic'])"]
+    data["stages"][0]["self_rollouts"] = [{"entry": "arithmetic", "samples": 1}]
+    assert any("stages[0].self_rollouts[0].samples:" in line for line in errors_of(data))
+
+
+def test_evaluation_is_off_unless_asked_for():
+    assert RLStage(name="s", steps=1, environments=[{"name": "strings"}]).evaluation.prompts == 0
+    assert errors_of(minimal(evaluation={"prompts": -1}))[0].startswith("stages[0].evaluation.prompts:")

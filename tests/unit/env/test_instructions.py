@@ -201,7 +201,8 @@ def test_follow_refuses_what_it_cannot_satisfy():
 
 def test_checks_run_offline_and_say_how_to_get_the_data(tmp_path):
     """No NLTK_DATA, no home directory data, and any download attempt fails: sentence counting works from
-    the repository's .cache/nltk_data, and without it the first check names the setup command."""
+    the environment's nltk_data (`sys.prefix/nltk_data`, on NLTK's default path), and without it the first
+    check names the setup command."""
     script = f"""
 import nltk
 def refuse(*args, **kwargs):
@@ -210,12 +211,13 @@ nltk.download = refuse
 import environments.instructions as ins
 p = ins.IFPrompt("k", "Write.", (ins.Instruction("length_constraints:number_sentences",
                                                  {{"num_sentences": 3, "relation": "less than"}}),))
-real, ins.NLTK_DATA = ins.NLTK_DATA, ins.Path({str(tmp_path / "missing")!r})
+default = list(nltk.data.path)
+nltk.data.path[:] = [d for d in default if d != str(ins.NLTK_DATA)]
 try:
     ins.check("One.", p)
 except RuntimeError as exc:
     print("ERROR", exc)
-ins.NLTK_DATA = real
+nltk.data.path[:] = default
 print(ins.check("The sky is blue. Grass is green.", p), ins.check("The sky is blue. Grass is green. Snow is white.", p))
 print(nltk.data.find("tokenizers/punkt_tab/english/"))
 """
@@ -225,4 +227,4 @@ print(nltk.data.find("tokenizers/punkt_tab/english/"))
     error, verdicts, found = out.stdout.strip().splitlines()
     assert error.startswith("ERROR NLTK's punkt_tab data") and "run `python3 zrl/bootstrap.py setup`" in error
     assert verdicts == "(True,) (False,)"
-    assert found.startswith(str(ROOT / ".cache" / "nltk_data"))
+    assert found.startswith(str(Path(sys.prefix) / "nltk_data"))

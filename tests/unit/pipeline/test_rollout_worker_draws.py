@@ -145,3 +145,19 @@ def test_a_generator_that_raises_stops_the_round_with_its_reason(worker, monkeyp
     monkeypatch.setattr(StringTask, "sample", broken)
     with pytest.raises(EnvironmentFault, match="generator broke"):
         worker.round(1)
+
+
+def test_prompts_too_long_to_pose_are_skipped_and_their_adaptive_levels_reported(model_path, monkeypatch):
+    monkeypatch.setattr(serving.engine, "RolloutEngine", SteppingEngine)
+    recipe = parse_recipe({
+        "name": "draws", "model": {"path": str(model_path)}, "output_dir": "/nonexistent/draws",
+        "stages": [{"name": "rl", "kind": "rl", "steps": 1,
+                    "environments": [{"name": "strings", "difficulty": "adaptive"}],
+                    "sampling": {"group_size": GROUP_SIZE, "prompts_per_batch": 2, "max_prompt_tokens": 8}}]})
+    worker = RolloutWorker(0, model_path, recipe.stages[0], seed=3, dtype="float32", round_seconds=0.3)
+    try:
+        report = worker.round(3, {"strings": 4})
+    finally:
+        worker.close()
+    assert report.skipped_long_prompts == 3 and not report.tickets and report.in_flight_groups == 0
+    assert report.skipped_levels == (("strings", 4),) * 3

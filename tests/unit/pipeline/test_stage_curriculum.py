@@ -90,6 +90,23 @@ def test_stale_levels_and_verifier_errors_update_nothing():
     assert c.metrics()["curriculum/strings/stale_groups"] == 1
 
 
+def test_a_level_whose_prompts_are_too_long_to_pose_counts_as_failed_and_the_level_comes_down():
+    """A policy that solves every problem it is shown, but problems above level 12 are longer than
+    max_prompt_tokens (skipped, never generated): each skip is a failed group at its level, so the
+    scheduler settles at the edge (12-13) instead of stalling above it, unheard."""
+    rng = np.random.default_rng(0)
+    c = stage_curriculum({"strings": SchedulerConfig(min_level=0, max_level=20)}, seed=3)
+    levels = []
+    for _ in range(120):
+        levels.append(level := current(c))
+        if level > 12:
+            c.report_unposable("strings", level, G)
+        else:
+            c.report("strings", level, learner(level, 30.0, rng))
+    assert c.curriculum.schedulers["strings"].n_updates == 120
+    assert set(levels[-40:]) == {12, 13}  # measured for seeds 0-3: only 12 and 13 in the last 40 draws
+
+
 def test_metrics_cover_each_entry_and_reset_the_window():
     c = stage_curriculum({"strings": SchedulerConfig(min_level=0, max_level=20)}, seed=0)
     level = current(c)

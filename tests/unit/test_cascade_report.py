@@ -1,0 +1,50 @@
+"""The cascade report: per-stage numbers from stage records and metrics rows, one self-contained page."""
+
+import json
+
+from zrl.cascade_report import REPORT_FILE, stage_summary, write_cascade_report
+
+
+def _run_dir(tmp_path):
+    rows = [{"step": 1, "stage/index": 0, "loss/sft": 2.0}, {"step": 2, "stage/index": 0, "loss/sft": 0.5},
+            {"step": 3, "stage/index": 1, "reward/mean": 0.25, "staleness/mean": 1.0, "staleness/max": 2,
+             "canary/lz77_flagged_fraction": 0.0, "mismatch/kl_k3": "nan"},
+            {"step": 4, "stage/index": 1, "reward/mean": 0.75, "staleness/mean": 0.5, "staleness/max": 1,
+             "canary/lz77_flagged_fraction": 0.5, "mismatch/kl_k3": 0.002}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = [
+        {"stage": "sft", "index": 0, "first_step": 0, "last_step": 2, "wall_s": 12.0, "summary_png": None,
+         "evaluation": {"strings": {"accuracy": 0.5}}, "self_rollouts": {}, "inherited": None,
+         "handoff": {"length_reward_frontier": {}, "curriculum": []}},
+        {"stage": "rl", "index": 1, "first_step": 2, "last_step": 4, "wall_s": 30.0, "summary_png": None,
+         "evaluation": {"strings": {"accuracy": 0.75}, "code": {"accuracy": 0.0}},
+         "self_rollouts": {"strings": str(tmp_path / "x.jsonl")},
+         "inherited": {"length_reward_frontier": ["strings"], "curriculum": ["strings"]},
+         "handoff": {"length_reward_frontier": {"strings": 0.9}, "curriculum": ["strings"]}}]
+    for record in records:
+        (tmp_path / "stages" / record["stage"]).mkdir(parents=True)
+        (tmp_path / "stages" / record["stage"] / "stage.json").write_text(json.dumps(record))
+    return tmp_path, records, rows
+
+
+def test_stage_numbers_come_from_the_stages_own_rows(tmp_path):
+    _, records, rows = _run_dir(tmp_path)
+    sft = stage_summary(records[0], rows[:2])
+    assert (sft["steps"], sft["reward_mean"], sft["sft_loss_final"]) == ("1-2", None, 0.5)
+    rl = stage_summary(records[1], rows[2:])
+    assert rl["reward_mean"] == 0.5 and rl["staleness_mean"] == 0.75 and rl["staleness_max"] == 2
+    assert rl["lz77_flagged"] == 0.25 and rl["mismatch_kl"] == 0.002  # a non-finite value is a gap
+    assert rl["held_out"] == {"strings": 0.75, "code": 0.0}
+
+
+def test_the_report_is_one_page_with_every_stage(tmp_path):
+    run_dir, _, _ = _run_dir(tmp_path)
+    page = write_cascade_report(run_dir, "mini").read_text()
+    assert page.startswith("<!doctype html>") and page.count("<tr>") == 3  # header + two stages
+    assert "strings: 0.750<br>code: 0.000" in page and "loss 0.500" in page
+    assert "p* of 1 data source(s); curriculum of strings" in page and "self-rollouts strings" in page
+    assert page.count("data:image/png;base64,") == 1  # the reward figure; the stages have no summary PNG
+
+
+def test_no_finished_stage_writes_no_report(tmp_path):
+    assert write_cascade_report(tmp_path, "empty") is None and not (tmp_path / REPORT_FILE).exists()
