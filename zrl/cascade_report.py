@@ -1,5 +1,6 @@
 """The cascade report: one HTML page per run (`<output_dir>/cascade_report.html`) that shows every stage
-at a glance, written when the cascade finishes (and by `zrl report RUN_DIR` for any run directory).
+at a glance, written when the cascade finishes. It reads only the run directory, so
+`write_cascade_report(run_dir, title)` rebuilds it for any run, a stopped one included.
 
 Per stage, from the stage record (`stages/<name>/stage.json`) and the stage's rows of metrics.jsonl:
 trainer steps and wall time, mean reward over the stage (RL) or final loss (SFT), held-out accuracy of
