@@ -90,8 +90,9 @@ def evaluate_requests(checkpoint: str | Path, requests: list[EvalRequest], seed:
         encoded = [tokenizer(tokenizer.apply_chat_template(p.chat(), add_generation_prompt=True, tokenize=False),
                              add_special_tokens=False)["input_ids"] for p in batch]
         kept = [j for j, e in enumerate(encoded) if r.max_prompt_tokens is None or len(e) <= r.max_prompt_tokens]
-        prompts[i], skipped = [batch[j] for j in kept], skipped + [len(batch) - len(kept)]
+        prompts[i] = [batch[j] for j in kept]
         ids.append([encoded[j] for j in kept])
+        skipped.append(len(batch) - len(kept))
     max_model_len = max(max(map(len, batch), default=0) + r.max_response_tokens for batch, r in zip(ids, requests))
     engine = RolloutEngine(checkpoint, dtype=dtype, max_model_len=max_model_len, seed=seed)
     try:

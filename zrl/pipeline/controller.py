@@ -325,7 +325,8 @@ class Cascade:
         stage_dir = self.run_dir / "stages" / stage.name
         hf_dir = stage_dir / "hf"
         ray.get([r.export_hf.remote(str(hf_dir), self.recipe.model.dtype) for r in ranks])
-        evaluation = self._evaluate_export(stage, hf_dir)
+        rollouts = {r.entry: str(stage.self_rollouts_path(self.recipe.output_dir, r.entry)) for r in stage.self_rollouts}
+        evaluation = self._evaluate_export(stage, hf_dir, rollouts)
         summary = None
         if self.recipe.metrics.jsonl:
             summary = plot_stage_summary(self.run_dir / "metrics.jsonl", index, stage_dir / "summary.png",
@@ -335,8 +336,7 @@ class Cascade:
         record = {"stage": stage.name, "index": index, "first_step": first_step, "last_step": last_step,
                   "hf": str(hf_dir), "summary_png": None if summary is None else str(summary),
                   "wall_s": elapsed_s, "evaluation": evaluation,
-                  "self_rollouts": {r.entry: str(stage.self_rollouts_path(self.recipe.output_dir, r.entry))
-                                    for r in stage.self_rollouts},
+                  "self_rollouts": rollouts,
                   "inherited": self._inherited,
                   "handoff": {"length_reward_frontier": self._frontier or {}, "curriculum": curriculum},
                   "finished_at": time.time()}
@@ -344,9 +344,9 @@ class Cascade:
         log.info("stage %r finished at trainer step %d in %.0f s; policy exported to %s%s", stage.name, step,
                  elapsed_s, hf_dir, "" if summary is None else f", summary plot {summary}")
 
-    def _evaluate_export(self, stage, hf_dir: Path) -> dict[str, dict]:
-        """The stage's held-out evaluation and self-rollouts files, one engine on the rollout pool's first
-        bundle (free between stages); returns {entry: result} of the evaluation."""
+    def _evaluate_export(self, stage, hf_dir: Path, rollouts: dict[str, str]) -> dict[str, dict]:
+        """The stage's held-out evaluation and its self-rollouts files (`rollouts`: entry -> path), one engine
+        on the rollout pool's first bundle (free between stages); returns {entry: result} of the evaluation."""
         from zrl.evaluate import EvalRequest, evaluate_requests
 
         e, specs = stage.evaluation, dict(zip(stage.entry_keys(), stage.environments))
@@ -355,8 +355,7 @@ class Cascade:
         requests = [EvalRequest(specs[k], e.prompts, e.samples, e.temperature, e.max_response_tokens,
                                 max_prompt_tokens=limit) for k in keys]
         requests += [EvalRequest(specs[r.entry], r.prompts, r.samples, r.temperature, r.max_response_tokens,
-                                 split="train", save_rollouts=str(stage.self_rollouts_path(self.recipe.output_dir, r.entry)),
-                                 max_prompt_tokens=limit)
+                                 split="train", save_rollouts=rollouts[r.entry], max_prompt_tokens=limit)
                      for r in stage.self_rollouts]
         if not requests:
             return {}
@@ -370,8 +369,7 @@ class Cascade:
             return {}
         for r, result in zip(stage.self_rollouts, results[len(keys):]):
             log.info("stage %r: self-rollouts of %s written to %s (%d problems x %d, mean reward %.3f)", stage.name,
-                     r.entry, stage.self_rollouts_path(self.recipe.output_dir, r.entry), r.prompts, r.samples,
-                     result.accuracy)
+                     r.entry, rollouts[r.entry], r.prompts, r.samples, result.accuracy)
         evaluation = {k: asdict(result) for k, result in zip(keys, results)}
         if evaluation:
             log.info("stage %r: held-out accuracy %s (%d prompts x %d samples, temperature %g)", stage.name,
