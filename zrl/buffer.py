@@ -65,7 +65,7 @@ import logging
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -109,9 +109,12 @@ class BatchTicket:
     max_staleness: int
 
 
-@dataclass(frozen=True)
-class _Entry:
-    key: tuple[int, int]          # (min_version, arrival): the buffer's age order
+class _Entry(NamedTuple):
+    """A buffered group in the buffer's age order: entries compare as (min_version, arrival), and
+    arrivals are unique, so the group itself is never compared."""
+
+    min_version: int
+    arrival: int
     group: RolloutGroup
 
 
@@ -160,7 +163,7 @@ class RolloutBuffer:
         self._trainer_step = first_version
         self._last_release_step: int | None = None
         self._arrivals = 0
-        self._entries: list[_Entry] = []          # sorted by key, oldest first
+        self._entries: list[_Entry] = []          # sorted, oldest first
         self._buffered_ids: set[str] = set()
         self._ledger: set[str] = set()             # ids of every group received in the stage
         self._counts = dict.fromkeys(COUNTERS, 0)
@@ -203,7 +206,7 @@ class RolloutBuffer:
     def _evict_stale(self) -> int:
         # Entries are sorted by min_version, so the stale ones form a prefix.
         oldest_ok = self._trainer_step - self.asynchrony.max_staleness_steps
-        cut = bisect.bisect_left(self._entries, (oldest_ok, -1), key=lambda e: e.key)
+        cut = bisect.bisect_left(self._entries, (oldest_ok, -1))
         for entry in self._entries[:cut]:
             self._buffered_ids.discard(entry.group.group_id)
         del self._entries[:cut]
@@ -260,7 +263,7 @@ class RolloutBuffer:
         task = group.task_rewards()                     # [G]
         lengths = group.response_lengths()              # [G]
         flags = self._canary_flags(group)               # [G]
-        flagged = int(np.count_nonzero(flags))
+        flagged = int(np.count_nonzero(flags)) if self.algorithm.canaries.lz77.enabled else 0
         if self.algorithm.canaries.lz77.zero_reward and flagged:
             rewards = np.array([repetition_gate(r, bool(f)) for r, f in zip(task, flags)], dtype=np.float64)
         else:  # the gate changes nothing
@@ -281,9 +284,8 @@ class RolloutBuffer:
             a.flags.writeable = False
         scored = RolloutGroup(group.group_id, group.prompt, group.rollouts, group.verifications, rewards=rewards,
                               length_bonuses=bonus, advantages=advantages, canary_flags=flags)
-        entry = _Entry((scored.min_version, self._arrivals), scored)
+        bisect.insort(self._entries, _Entry(scored.min_version, self._arrivals, scored))
         self._arrivals += 1
-        bisect.insort(self._entries, entry, key=lambda e: e.key)
         self._buffered_ids.add(group.group_id)
         self._counts["admitted"] += 1
 
@@ -298,15 +300,21 @@ class RolloutBuffer:
     def _record_received(self, group: RolloutGroup, task: np.ndarray, rewards: np.ndarray,
                          flagged: int, lengths: np.ndarray, bonus: np.ndarray) -> None:
         g = group.size
-        errors = group.num_verifier_errors
-        task_sum, gated_sum = float(task.sum()), float(rewards.sum())
+        errors = 0
+        w = self._window
+        for v in group.verifications:
+            errors += v.error is not None
+            reason = v.metadata.get("reason")
+            if isinstance(reason, str):
+                w.reasons[group.prompt.env, reason.replace(" ", "_")] += 1
+        task_sum = float(task.sum())
+        gated_sum = float(rewards.sum()) if flagged else task_sum  # the gate zeroes flagged rewards only
         bonus_rollouts = int(np.count_nonzero(bonus))
         c = self._counts
         c["received"] += 1
         c["rollouts_received"] += g
         c["canary_flagged"] += flagged
         c["verifier_errors"] += errors
-        w = self._window
         w.groups += 1
         w.rollouts += g
         w.reward_sum += task_sum
@@ -314,16 +322,12 @@ class RolloutBuffer:
         w.flagged += flagged
         w.verifier_errors += errors
         w.length_sum += int(lengths.sum())
-        w.bonus_sum += float(bonus.sum())
+        w.bonus_sum += float(bonus.sum()) if bonus_rollouts else 0.0
         w.bonus_rollouts += bonus_rollouts
         w.bonus_groups += int(bonus_rollouts > 0)
         env = w.env_reward[group.prompt.env]
         env[0] += task_sum
         env[1] += g
-        for v in group.verifications:
-            reason = v.metadata.get("reason")
-            if isinstance(reason, str):
-                w.reasons[group.prompt.env, reason.replace(" ", "_")] += 1
         # The frontier sees earlier observation batches only: accumulate, flush every B groups.
         pending = self._pending_solve.setdefault(group.prompt.data_source, [0.0, 0])
         pending[0] += gated_sum

@@ -145,7 +145,7 @@ class RolloutGroup:
     @property
     def min_version(self) -> int:
         """The oldest policy version of any response token in the group (its staleness anchor)."""
-        return min(r.min_version for r in self.rollouts)
+        return min([r.min_version for r in self.rollouts])
 
     def task_rewards(self) -> np.ndarray:
         """[G] float64 verifier rewards (0 where the verifier failed), before any gate."""
@@ -154,10 +154,6 @@ class RolloutGroup:
     def response_lengths(self) -> np.ndarray:
         """[G] int64 response token counts."""
         return np.array([len(r.token_ids) for r in self.rollouts], dtype=np.int64)
-
-    @property
-    def num_verifier_errors(self) -> int:
-        return sum(v.error is not None for v in self.verifications)
 
 
 @dataclass(frozen=True, eq=False)

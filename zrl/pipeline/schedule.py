@@ -63,9 +63,15 @@ class StageSchedule:
     waiting: bool = False         # the last answers changed nothing: ask again after some progress
     lost_groups: int = 0
     worker_restarts: int = 0
+    # Kept up to date by the methods below, which alone change `workers` (the planner asks these
+    # ~10^5 times a plan, and a sum over the pool each time was a quarter of its time):
+    _in_engines: int = field(init=False, default=0)        # sum of the workers' groups_in_engine
+    _idle: set[int] = field(init=False)                     # workers running no round and no sync
+    _generating_version: int | None = field(init=False, default=None)  # None: to be recomputed
 
     def __post_init__(self):
         self.workers = [WorkerState(self.policy_version) for _ in range(self.num_workers)]
+        self._idle = set(range(self.num_workers))
 
     # ------------------------------------------------------------------ queries
 
@@ -84,16 +90,19 @@ class StageSchedule:
 
     def in_flight_groups(self) -> int:
         """Groups started and not yet handed to the buffer (in engines or being verified)."""
-        return sum([w.groups_in_engine for w in self.workers]) + self.verifying
+        return self._in_engines + self.verifying
 
     def generating_version(self) -> int:
         """The oldest policy version workers generate new groups with (a restarted worker will hold
         the latest version before it generates again)."""
-        return min([w.policy_version if w.policy_version >= 0 else self.policy_version for w in self.workers])
+        if self._generating_version is None:
+            self._generating_version = min([w.policy_version if w.policy_version >= 0 else self.policy_version
+                                            for w in self.workers])
+        return self._generating_version
 
     def wants_credit(self) -> bool:
         return (not self.credit_requested and not self.waiting and not self.paused
-                and any(w.idle for w in self.workers))
+                and bool(self._idle))
 
     def wants_batch(self) -> bool:
         return (not self.done and not self.training and not self.batch_requested and not self.waiting
@@ -115,15 +124,16 @@ class StageSchedule:
         # engines far past their running slots while the rest stand idle.
         share = math.ceil((self.in_flight_groups() + left) / len(self.workers))
         launches = []
-        for index, worker in enumerate(self.workers):
-            if worker.in_round or worker.syncing:  # not idle (inlined: the planner asks ~10^5 times)
-                continue
+        for index in sorted(self._idle):
+            worker = self.workers[index]
             new = max(0, min(left, self.prompts_per_batch, share - worker.groups_in_engine))
             if new == 0 and worker.groups_in_engine == 0:
                 continue
             left -= new
             worker.in_round = True
+            self._idle.discard(index)
             worker.groups_in_engine += new
+            self._in_engines += new
             launches.append((index, new))
         if credit is not None and not launches and not self.paused:  # a pause ends with its own event
             self.waiting = True
@@ -136,9 +146,17 @@ class StageSchedule:
     def round_done(self, index: int, finished_groups: int, groups_in_engine: int, policy_version: int) -> None:
         worker = self.workers[index]
         worker.in_round = False
+        if not worker.syncing:
+            self._idle.add(index)
+        self._in_engines += groups_in_engine - worker.groups_in_engine
         worker.groups_in_engine = groups_in_engine
-        worker.policy_version = policy_version
+        self._set_version(worker, policy_version)
         self.verifying += finished_groups
+
+    def _set_version(self, worker: WorkerState, policy_version: int) -> None:
+        if worker.policy_version != policy_version:
+            worker.policy_version = policy_version
+            self._generating_version = None
 
     def group_handed_on(self) -> None:
         """A reported group went to the buffer (or was lost on the way)."""
@@ -151,6 +169,9 @@ class StageSchedule:
         self.lost_groups += lost
         self.worker_restarts += 1
         self.workers[index] = WorkerState(policy_version=-1, restarted=True)
+        self._in_engines -= lost
+        self._idle.add(index)
+        self._generating_version = None
         self.resync_needed = True
         self.waiting = False
         return lost
@@ -166,6 +187,7 @@ class StageSchedule:
         self.training = False
         self.waiting = False
         self.policy_version += 1
+        self._generating_version = None   # a restarted worker counts as the trainer's version
         return self.policy_version % self.sync_every_steps == 0 and not self.done
 
     def sync_started(self) -> None:
@@ -173,6 +195,7 @@ class StageSchedule:
         self.trainer_syncing = True
         for worker in self.workers:
             worker.syncing = True
+        self._idle.clear()
 
     def trainer_synced(self, ok: bool = True) -> None:
         self.trainer_syncing = False
@@ -184,10 +207,12 @@ class StageSchedule:
         member died or timed out), after which every worker gets the weights again."""
         worker = self.workers[index]
         worker.syncing = False
+        if not worker.in_round:
+            self._idle.add(index)
         if policy_version is None:
-            worker.policy_version = -1
+            self._set_version(worker, -1)
             self.resync_needed = True
         else:
-            worker.policy_version = policy_version
+            self._set_version(worker, policy_version)
             worker.restarted = False
         self.waiting = False

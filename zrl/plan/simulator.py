@@ -16,7 +16,9 @@ What is modelled, and how:
   or when the buffer has credit to hand out (the earliest round end of any worker takes it).
 - A running engine advances all its sequences one token per decode step (continuous batching); the
   step time depends on the running sequences and their KV tokens (workload.RolloutEngine), constant
-  between two sequence ends. A sequence's tokens carry the version its engine held at its start.
+  between two sequence ends (KV tokens as at the segment's start). The trajectory (every sequence's end
+  time) is computed when groups join the engine or it starts again after waiting (a sync); a round that
+  starts no group continues it. A sequence's tokens carry the version its engine held at its start.
 - A weight sync is one collective: it starts when the trainer and every worker are free (a worker
   after its current round), takes `sync_s`, and the trainer ranks train nothing meanwhile.
 - Groups are real `RolloutGroup`s whose arrays are zero-copy views of one zero array (only their
@@ -46,28 +48,30 @@ from zrl.types import Prompt, Rollout, RolloutGroup, Verification, stream_group_
 EPS = 1e-9
 
 
-@dataclass
+@dataclass(slots=True)
 class _Group:
     group_id: str
     version: int
     lengths: np.ndarray       # [G] response tokens
-    left: int                 # sequences still decoding
 
 
 class _Engine:
-    """One worker's running sequences. `progress` is the tokens every running sequence has decoded
-    since the engine's first start; a sequence ends when progress reaches its `finish`."""
+    """One worker's running sequences, in the order they end. `progress` is the tokens every running
+    sequence has decoded since the engine's first start; a sequence ends when progress reaches its
+    `finish`, and a group when progress reaches its longest sequence's finish (`group_ends`)."""
 
     def __init__(self):
-        self.finish = np.zeros(0)             # [M] progress at which each sequence ends
+        self.finish = np.zeros(0)             # [M] ascending: progress at which each sequence ends
         self.base = np.zeros(0)               # [M] context tokens minus progress (context = base + progress)
-        self.group = np.zeros(0, dtype=np.int64)  # [M] index into the simulator's groups
+        self.group_ends: list[tuple[float, int]] = []  # heap of (finish of a group's last sequence, group index)
         self.progress = 0.0
-        # The chain of rounds in flight: its start and trajectory (valid until the next launch).
+        self.anchor = (0.0, 0.0)              # (progress, time): the trajectory's last known point
+        # The chain of rounds in flight: its start and trajectory (valid until groups are added or the
+        # engine pauses); a round end pauses the chain, a round started at once resumes it.
         self.chain_start: float | None = None
-        self.done_at = np.zeros(0)            # [M] absolute end time of each sequence, in `order`
-        self.order = np.zeros(0, dtype=np.int64)
-        self.step_s = np.zeros(0)             # [M] decode-step time of each segment, in `order`
+        self.done_at = np.zeros(0)            # [M] absolute end time of each sequence
+        self.step_s = np.zeros(0)             # [M] decode-step time of each segment
+        self.paused: tuple[float, float] | None = None  # (when, chain_start) of the last round end
         self.accounted_to = 0.0               # busy time is counted up to here
         self.busy_s = 0.0                     # seconds with running sequences
         self.version = 0                      # the policy version its weights hold
@@ -81,42 +85,63 @@ class _Engine:
     def empty_at(self) -> float:
         return self.done_at[-1] if len(self.done_at) else (self.chain_start or 0.0)
 
-    def add(self, lengths: np.ndarray, prompt_tokens: int, group_index: np.ndarray) -> None:
-        self.finish = np.concatenate([self.finish, self.progress + lengths])
-        self.base = np.concatenate([self.base, np.full(len(lengths), prompt_tokens - self.progress)])
-        self.group = np.concatenate([self.group, group_index])
+    def add(self, lengths: np.ndarray, prompt_tokens: int, first_group: int) -> None:
+        """Start groups first_group, first_group + 1, ...: `lengths` [groups, G]."""
+        finish = self.progress + lengths
+        for i, end in enumerate(finish.max(axis=1).tolist()):
+            heapq.heappush(self.group_ends, (end, first_group + i))
+        # A stable sort keeps ties in the order the sequences started.
+        finish = np.concatenate([self.finish, finish.ravel()])
+        order = np.argsort(finish, kind="stable")
+        self.finish = finish[order]
+        self.base = np.concatenate([self.base, np.full(lengths.size, prompt_tokens - self.progress)])[order]
 
     def start_chain(self, t: float, workload: Workload) -> None:
         """Compute the trajectory from `t` on: sequence i's end time, segment by segment (between two
         sequence ends the running set, and so the step time, is fixed; KV tokens at the segment start)."""
         self.chain_start = self.accounted_to = t
-        self.order = np.argsort(self.finish, kind="stable")
-        f = self.finish[self.order]
+        self.anchor = (self.progress, t)
+        f = self.finish
         m = len(f)
-        running = m - np.arange(m)                               # [M] sequences in segment k
-        kv_base = np.cumsum(self.base[self.order][::-1])[::-1]   # [M] sum of base over the running set
+        running = np.arange(m, 0, -1)                            # [M] sequences in segment k
+        kv_base = np.cumsum(self.base[::-1])[::-1]               # [M] sum of base over the running set
         prev = np.concatenate([[self.progress], f[:-1]])
         self.step_s = workload.engine.seconds_per_token(running, kv_base + running * prev)
         self.done_at = t + np.cumsum((f - prev) * self.step_s)
 
+    def first_group_end(self) -> float:
+        """When the chain's first group ends (its last sequence's end time)."""
+        return self.done_at[np.searchsorted(self.finish, self.group_ends[0][0])]
+
     def kv_tokens(self) -> float:
         return float(self.base.sum() + len(self.base) * self.progress)
 
-    def advance(self, t: float) -> np.ndarray:
-        """End the chain at `t`: drop the sequences done by then, return their group indices."""
+    def advance(self, t: float) -> list[int]:
+        """Pause the chain at `t`: drop the sequences done by then, return the groups that ended, in order."""
         k = int(np.searchsorted(self.done_at, t + EPS, side="right"))
+        ended = []
+        if k:
+            last = self.finish[k - 1]
+            while self.group_ends and self.group_ends[0][0] <= last:
+                ended.append(heapq.heappop(self.group_ends)[1])
         if k < len(self.done_at):
-            f = self.finish[self.order]
-            prev_f, prev_t = (f[k - 1], self.done_at[k - 1]) if k else (self.progress, self.chain_start)
+            prev_f, prev_t = (self.finish[k - 1], self.done_at[k - 1]) if k else self.anchor
             self.progress = prev_f + (t - prev_t) / self.step_s[k]
         elif k:
-            self.progress = self.finish[self.order[k - 1]]
-        done, keep = self.order[:k], np.sort(self.order[k:])
-        groups = self.group[done]
-        self.finish, self.base, self.group = self.finish[keep], self.base[keep], self.group[keep]
+            self.progress = self.finish[k - 1]
+        self.finish, self.base = self.finish[k:], self.base[k:]
+        self.done_at, self.step_s = self.done_at[k:], self.step_s[k:]
+        self.anchor = (self.progress, t)
+        self.paused = (t, self.chain_start)
         self.chain_start = None
-        self.done_at = np.zeros(0)
-        return groups
+        return ended
+
+    def resume(self, t: float) -> bool:
+        """Continue the paused chain with its trajectory when the next round starts at its pause."""
+        if self.paused is None or self.paused[0] != t or not len(self.finish):
+            return False
+        self.chain_start = self.paused[1]
+        return True
 
     def count_busy(self, t: float) -> None:
         """Add the seconds with running sequences since `accounted_to`, up to `t`, to `busy_s`."""
@@ -204,8 +229,9 @@ class _Simulation:
         self.staleness_tokens: dict[int, float] = {}
         longest = s.max_response_tokens
         self.prompt_ids = np.zeros(workload.prompt_tokens, dtype=np.int32)
-        self.tokens = np.zeros(longest, dtype=np.int32)
-        self.logprobs = np.zeros(longest, dtype=np.float32)
+        # Every response is a view of one zero array, made once per length (a plan makes ~10^6 responses).
+        tokens, logprobs = np.zeros(longest, dtype=np.int32), np.zeros(longest, dtype=np.float32)
+        self.responses = [(tokens[:n], logprobs[:n], "length" if n == longest else "stop") for n in range(longest + 1)]
         self.prompt = Prompt(env="plan", prompt_id="plan", messages=(), answer="", data_source="plan")
         g = s.group_size
         self.mixed = (Verification(1.0),) + (Verification(0.0),) * (g - 1)
@@ -261,14 +287,14 @@ class _Simulation:
                 first = self.groups_started
                 all_lengths = lengths.sample(self.rng, new * g).reshape(new, g)
                 for i in range(new):
-                    group_id = stream_group_id(w, e.draws, i, "plan")
-                    self.groups[first + i] = _Group(group_id, e.version, all_lengths[i], g)
+                    self.groups[first + i] = _Group(stream_group_id(w, e.draws, i, "plan"), e.version, all_lengths[i])
                 self.groups_started += new
                 e.draws += 1
                 e.groups_in_engine += new
-                e.add(all_lengths.ravel(), self.workload.prompt_tokens, np.repeat(np.arange(first, first + new), g))
+                e.add(all_lengths, self.workload.prompt_tokens, first)
             self.peak_kv = max(self.peak_kv, e.kv_tokens())
-            e.start_chain(t, self.workload)
+            if new or not e.resume(t):
+                e.start_chain(t, self.workload)
             e.event_time = math.inf
             self._schedule_chain(w)
 
@@ -278,22 +304,13 @@ class _Simulation:
         if not len(e.done_at):
             self._round_end_at(w, e.chain_start)
             return
-        # done_at is ascending, so a group ends at its last sequence in that order.
-        groups = e.group[e.order][::-1]
-        _, last_from_end = np.unique(groups, return_index=True)
-        first = e.done_at[len(groups) - 1 - last_from_end].min()
-        self._round_end_at(w, self._next_round_end(e, first - EPS))
+        self._round_end_at(w, self._next_round_end(e, e.first_group_end() - EPS))
 
     def _on_round_end(self, w: int, t: float) -> None:
         s, e = self.schedule, self.engines[w]
         e.event_time = math.inf
         e.count_busy(t)
-        finished = []
-        for index in e.advance(t).tolist():
-            group = self.groups[index]
-            group.left -= 1
-            if group.left == 0:
-                finished.append(self.groups.pop(index))
+        finished = [self.groups.pop(index) for index in e.advance(t)]
         e.groups_in_engine -= len(finished)
         s.round_done(w, len(finished), e.groups_in_engine, e.version)
         s.progressed()
@@ -307,9 +324,9 @@ class _Simulation:
 
     def _rollout_group(self, group: _Group) -> RolloutGroup:
         segments = ((0, group.version),)
-        longest = len(self.tokens)
-        rollouts = tuple([Rollout(self.prompt_ids, self.tokens[:n], self.logprobs[:n], None, segments,
-                                  "length" if n == longest else "stop") for n in group.lengths.tolist()])
+        prompt_ids, responses = self.prompt_ids, self.responses
+        rollouts = tuple([Rollout(prompt_ids, tokens, logprobs, None, segments, reason)
+                          for tokens, logprobs, reason in map(responses.__getitem__, group.lengths.tolist())])
         flat = self.rng.random() < self.workload.zero_signal_fraction
         return RolloutGroup(group.group_id, self.prompt, rollouts, self.flat if flat else self.mixed)
 
@@ -446,11 +463,12 @@ def simulate(stage: RLStage, workload: Workload, rollout_workers: int, *, steps:
     rollout workers; the stage's asynchrony decides async vs sync (`synchronous_variant`).
     `schedule_class`: the loop's StageSchedule, or a subclass that proposes another policy."""
     simulation = _Simulation(stage, workload, rollout_workers, steps or stage.steps, seed, schedule_class)
-    # A plan allocates millions of short-lived records; each full collection they trigger would walk all the
-    # objects the process holds already (torch's and pydantic's, ~180K: ~6% of a 1,000-step plan).
-    # The run sets those aside and hands them back to the collector afterwards.
-    gc.freeze()
+    # A plan allocates millions of short-lived records and makes no reference cycles: the collector's passes
+    # over them (and over the ~180K objects torch and pydantic hold) would find nothing. It is off for the run.
+    enabled = gc.isenabled()
+    gc.disable()
     try:
         return simulation.run()
     finally:
-        gc.unfreeze()
+        if enabled:
+            gc.enable()

@@ -1,5 +1,6 @@
 """The RL stage's scheduling policy without Ray: rounds from credit, training, sync cadence, faults."""
 
+import numpy as np
 import pytest
 
 from zrl.pipeline.schedule import StageSchedule
@@ -140,3 +141,34 @@ def test_a_credit_answer_during_a_synchronous_pause_does_not_stall_the_loop():
     assert s.plan_rounds(4) == []  # paused: nothing starts
     s.trainer_synced()
     assert s.wants_credit() and s.wants_batch()
+
+
+def test_the_pool_totals_it_keeps_agree_with_the_workers_after_any_sequence_of_events():
+    # in_flight_groups, generating_version and wants_credit are kept up to date by the event methods
+    # instead of summed over the pool per question; a random walk through every event checks them.
+    rng = np.random.default_rng(0)
+    s = schedule(workers=5, steps=1000)
+    for _ in range(3000):
+        event = rng.integers(7)
+        index = int(rng.integers(5))
+        worker = s.workers[index]
+        if event == 0:
+            s.plan_rounds(int(rng.integers(0, 9)))
+        elif event == 1 and worker.in_round:
+            s.round_done(index, finished_groups=0, groups_in_engine=int(rng.integers(0, worker.groups_in_engine + 1)),
+                         policy_version=int(rng.integers(0, s.policy_version + 1)))
+        elif event == 2:
+            s.worker_lost(index)
+        elif event == 3 and not s.syncing:
+            s.sync_started()
+        elif event == 4 and worker.syncing:
+            s.worker_synced(index, None if rng.random() < 0.2 else s.policy_version)
+        elif event == 5:
+            s.step_done()
+        elif event == 6 and s.trainer_syncing:
+            s.trainer_synced()
+        assert s.in_flight_groups() == sum(w.groups_in_engine for w in s.workers) + s.verifying
+        assert s.generating_version() == min(w.policy_version if w.policy_version >= 0 else s.policy_version
+                                             for w in s.workers)
+        assert s.wants_credit() == (not s.credit_requested and not s.waiting and not s.paused
+                                    and any(not w.in_round and not w.syncing for w in s.workers))

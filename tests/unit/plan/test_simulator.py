@@ -113,3 +113,39 @@ def test_trainer_model_from_mfu():
     t = TrainerModel.from_mfu(mfu=0.5, peak_flops=1e15, gpus=2, active_params=1e9, layers=1, attention_dim=1)
     assert t.tokens_per_s == pytest.approx(1e15 / 6e9)
     assert t.step_s(np.array([1000])) == pytest.approx(6e9 * 1000 / 1e15 + 6 * 1000**2 / 1e15)
+
+
+def test_an_engine_paused_and_resumed_ends_its_groups_when_a_token_by_token_decode_does():
+    from zrl.plan.simulator import _Engine
+
+    # Without a KV term a decode step's time depends only on the running sequences, so the engine's
+    # piecewise trajectory is exact; pauses that resume at once must not move it.
+    engine = RolloutEngine(step_s=0.01, per_sequence_s=0.001)
+    load = Workload(lengths=ResponseLengths(5, 0.5, 64), engine=engine, trainer=TrainerModel(1000.0))
+    lengths = np.array([[3, 7, 5], [2, 9, 4], [6, 6, 1], [8, 2, 2]])
+    left, steps_end, expected = lengths.copy(), [0.0], {}
+    while left.any():
+        steps_end.append(steps_end[-1] + engine.step_s + engine.per_sequence_s * np.count_nonzero(left))
+        left = np.maximum(left - 1, 0)
+        for group in np.flatnonzero(~left.any(axis=1)):
+            expected.setdefault(int(group), steps_end[-1])
+
+    def tokens_decoded(t):  # by every running sequence, at time t
+        i = int(np.searchsorted(steps_end, t, side="right")) - 1
+        return i + (t - steps_end[i]) / (steps_end[i + 1] - steps_end[i])
+
+    e = _Engine()
+    e.add(lengths, prompt_tokens=10, first_group=0)
+    e.start_chain(0.0, load)
+    ended, t = {}, 0.0
+    while e.group_ends:
+        end = e.first_group_end()
+        pause = (t + end) / 2                       # a round end between two group ends
+        assert e.advance(pause) == [] and e.resume(pause)
+        assert e.progress == pytest.approx(tokens_decoded(pause), rel=1e-12)
+        t = float(end)
+        for group in e.advance(t):
+            ended[group] = t
+        assert e.resume(t) or not e.group_ends
+    assert list(ended) == sorted(expected, key=lambda g: (expected[g], g))
+    assert ended == pytest.approx(expected, rel=1e-12)
