@@ -40,10 +40,6 @@ class WorkerState:
     syncing: bool = False
     restarted: bool = False       # died and restarted, weights not yet synced
 
-    @property
-    def idle(self) -> bool:
-        return not self.in_round and not self.syncing
-
 
 @dataclass
 class StageSchedule:
@@ -64,7 +60,7 @@ class StageSchedule:
     lost_groups: int = 0
     worker_restarts: int = 0
     # Kept up to date by the methods below, which alone change `workers` (the planner asks these
-    # ~10^5 times a plan, and a sum over the pool each time was a quarter of its time):
+    # ~10^5 times a plan; summed over the pool per question they took ~14% of its time):
     _in_engines: int = field(init=False, default=0)        # sum of the workers' groups_in_engine
     _idle: set[int] = field(init=False)                     # workers running no round and no sync
     _generating_version: int | None = field(init=False, default=None)  # None: to be recomputed
