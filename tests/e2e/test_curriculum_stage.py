@@ -3,12 +3,16 @@ on `strings` with `difficulty: adaptive`), SIGKILLed during the RL stage and fin
 
 1. The RL stage calibrates before it trains (one "calibrated" line; the first step's row already has
    `curriculum/calibrating` 0) and the level follows the policy: the estimated crossing ends above
-   where calibration put it, and at the level where the stage ended the trained policy's held-out
-   accuracy is above the warm start's (the scheduler moved there because the policy improved at it).
-   Measured on the 2-core CPU machine (2026-11-24): calibrated at level 2 (crossing 1.8), crossing 3.1
-   after the 30 RL steps; held-out accuracy at level 3 (7-8 letters) 0.31 -> 0.58. The warm start
-   stops while SFT's loss is still falling fast, so its profile differs between CPUs; the assertions
-   hold for any profile whose crossing lies inside the levels.
+   where calibration put it, and at the highest level the stage trained at for at least a quarter of
+   its steps the trained policy's held-out accuracy is above the warm start's (the scheduler kept it
+   there because the policy improved at it). Measured on the 2-core CPU machine: 2026-11-24, calibrated
+   at level 2 (crossing 1.8), crossing 3.1 after the 30 RL steps, held-out accuracy at level 3 (7-8
+   letters) 0.31 -> 0.58; 2026-11-25, crossing 1.9 -> 3.3, most steps at levels 2 and 3, held-out
+   0.54 -> 0.71 at level 2 and 0.31 -> 0.53 at level 3. That run reached level 4 at its last step,
+   where neither policy copies 9-10 letters (0.02 -> 0.01 of 400 samples): the level a stage ends at
+   can be one it never trained at, so it is not the level compared. The warm start stops while SFT's
+   loss is still falling fast, so its profile differs between CPUs; the assertions hold for any
+   profile whose crossing lies inside the levels.
 2. The schedulers' state is in the checkpoint and survives the kill: the resumed run does not calibrate
    again and its group count continues from the checkpoint's.
 """
@@ -93,10 +97,12 @@ def test_calibration_comes_first_and_the_level_follows_the_improving_policy(inte
     assert rows[0]["curriculum/calibrating"] == 0.0
     first, last = rows[0][f"{KEY}/mu_mean"], rows[-1][f"{KEY}/mu_mean"]
     levels = [int(r[f"{KEY}/difficulty"]) for r in rows]
-    warm = _held_out_accuracy(run_dir / "stages" / "sft_warm_start" / "hf", levels[-1])
-    final = _held_out_accuracy(run_dir / "stages" / RL_STAGE / "hf", levels[-1])
+    common = [level for level in set(levels) if 4 * levels.count(level) >= len(levels)]
+    trained = max(common) if common else max(set(levels), key=levels.count)
+    warm = _held_out_accuracy(run_dir / "stages" / "sft_warm_start" / "hf", trained)
+    final = _held_out_accuracy(run_dir / "stages" / RL_STAGE / "hf", trained)
     log.info("crossing %.2f -> %.2f; levels %s; held-out accuracy at level %d: %.3f -> %.3f", first, last, levels,
-             levels[-1], warm, final)
+             trained, warm, final)
     assert final > warm
     assert last > first
 
