@@ -27,6 +27,8 @@ from zrl.plan import simulate
 from zrl.plan.report import WorkloadSpec, format_sweep, knee, plan_point, plot_sweep
 
 TRAINER_GPUS = 16
+PLAN_COUNTERS = ("received", "dropped_zero_signal", "admitted", "released", "released_batches",
+                 "evicted_capacity", "evicted_stale", "buffered")
 RATIOS = (1, 2, 3, 4, 5)
 
 
@@ -45,7 +47,15 @@ def timed_plan(steps: int) -> dict:
     wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     return {"wall_s": wall_s, "cpu_s": cpu_s, "groups": r.buffer_counts["received"],
             "simulated_h": r.simulated_s / 3600,
-            "digest": hashlib.sha256(repr(dataclasses.asdict(r)).encode()).hexdigest()[:16]}
+            "digest": result_digest(r)}
+
+
+def result_digest(r) -> str:
+    """A digest of every field of a plan's result, per-step rows included; of the buffer's counters only
+    those every version of the planner reports (earlier ones passed all of RolloutBuffer.counts)."""
+    fields = dataclasses.asdict(r)
+    fields["buffer_counts"] = {k: fields["buffer_counts"][k] for k in PLAN_COUNTERS}
+    return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
 
 
 def time_plans(steps: int, baseline: str | None) -> None:

@@ -1,7 +1,11 @@
 """The rollout buffer of the asynchronous pipeline: scoring, bounded staleness, capacity, release, pacing.
 
 A plain class (docs/design.md, style rule 1); the stage loop hosts it in one Ray actor. It is the only
-place where staleness is decided (docs/design.md "Contracts", docs/algorithms.md §7).
+place where staleness is decided (docs/design.md "Contracts", docs/algorithms.md §7). `RolloutBuffer`
+holds the prompt ledger and scores groups (steps 1-4 below, metrics, the frontier); its `BatchQueue`
+holds the admitted groups and applies every rule about them (order, staleness, capacity, release,
+pacing), knowing a group only by its oldest token's version, so the planner (zrl/plan) runs the same
+rules on simulated groups.
 
 Admission (`admit`), per group, in this order (zrl/algorithms/README.md "Buffer order"):
 1. LZ77 repetition canary: a flagged rollout's task reward is zeroed (when `zero_reward`), counted.
@@ -63,7 +67,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple
 
@@ -81,10 +85,11 @@ STATE_VERSION = 2  # 2: the prompt ledger
 
 AdmissionStatus = Literal["buffered", "dropped_zero_signal", "evicted_stale", "evicted_capacity", "duplicate"]
 
-# Cumulative counters; conservation identities in the module docstring.
-COUNTERS = ("received", "dropped_zero_signal", "kept_for_length", "admitted", "released",
-            "released_batches", "evicted_capacity", "evicted_stale", "discarded_on_resume",
-            "rollouts_received", "canary_flagged", "verifier_errors", "duplicates")
+# Cumulative counters (conservation identities in the module docstring): the RolloutBuffer's, its queue's.
+SCORING_COUNTERS = ("received", "dropped_zero_signal", "kept_for_length", "discarded_on_resume",
+                    "rollouts_received", "canary_flagged", "verifier_errors", "duplicates")
+QUEUE_COUNTERS = ("admitted", "released", "released_batches", "evicted_capacity", "evicted_stale")
+COUNTERS = SCORING_COUNTERS + QUEUE_COUNTERS
 
 
 @dataclass(frozen=True)
@@ -110,12 +115,117 @@ class BatchTicket:
 
 
 class _Entry(NamedTuple):
-    """A buffered group in the buffer's age order: entries compare as (min_version, arrival), and
-    arrivals are unique, so the group itself is never compared."""
+    """A queued group in the queue's age order: entries compare as (min_version, arrival), and arrivals
+    are unique, so the group itself is never compared."""
 
     min_version: int
     arrival: int
-    group: RolloutGroup
+    group: Any
+
+
+class BatchQueue:
+    """The buffer's queue: the admitted groups waiting for the trainer, and every rule that decides
+    about them (staleness eviction, capacity eviction, readiness, one batch per step, pacing credit).
+
+    It knows a group only by its oldest token's policy version and its arrival; the group itself is
+    opaque (the RolloutBuffer queues scored `RolloutGroup`s, the planner its simulated groups), so the
+    planner runs these rules unchanged at a cost independent of the rollouts' size. The rules are in
+    the module docstring ("Order", "Invariants", "Pacing").
+    """
+
+    def __init__(self, asynchrony: Asynchrony, prompts_per_batch: int, first_version: int = 0):
+        self.max_staleness_steps = asynchrony.max_staleness_steps
+        self.batch_groups = prompts_per_batch
+        self.capacity_groups = asynchrony.buffer_capacity_batches * prompts_per_batch
+        self.ready_groups = asynchrony.min_ready_batches * prompts_per_batch
+        self.trainer_step = first_version
+        self.last_release_step: int | None = None
+        self.arrivals = 0
+        self.counts = dict.fromkeys(QUEUE_COUNTERS, 0)
+        self._entries: list[_Entry] = []          # sorted, oldest first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def groups(self) -> tuple:
+        """The queued groups, oldest first: the order of release."""
+        return tuple(e.group for e in self._entries)
+
+    def set_trainer_step(self, step: int) -> int:
+        """Record the trainer's policy version (optimizer steps done); returns groups evicted as stale."""
+        if step < self.trainer_step:
+            raise ValueError(f"trainer step went back from {self.trainer_step} to {step}")
+        self.trainer_step = step
+        # Entries are sorted by min_version, so the stale ones form a prefix.
+        cut = bisect.bisect_left(self._entries, (step - self.max_staleness_steps, -1))
+        del self._entries[:cut]
+        self.counts["evicted_stale"] += cut
+        return cut
+
+    def push(self, group, min_version: int) -> tuple[AdmissionStatus, int, int]:
+        """Queue an admitted group whose oldest token has policy version `min_version`. Returns its
+        status and the groups (it included) evicted as stale and for capacity to keep the invariants."""
+        self.counts["admitted"] += 1
+        entry = _Entry(min_version, self.arrivals, group)
+        self.arrivals += 1
+        # Every queued group was checked at the current step: only the new one can be stale.
+        if self.trainer_step - min_version > self.max_staleness_steps:
+            self.counts["evicted_stale"] += 1
+            return "evicted_stale", 1, 0
+        index = bisect.bisect(self._entries, entry)
+        self._entries.insert(index, entry)
+        excess = len(self._entries) - self.capacity_groups
+        if excess <= 0:
+            return "buffered", 0, 0
+        del self._entries[:excess]  # the oldest first
+        self.counts["evicted_capacity"] += excess
+        return "evicted_capacity" if index < excess else "buffered", 0, excess
+
+    def _next_pull_step(self) -> int:
+        return self.trainer_step + int(self.last_release_step == self.trainer_step)
+
+    def ready(self) -> bool:
+        """Whether `take(trainer_step)` would release a batch now."""
+        return len(self._entries) >= self.ready_groups and self.last_release_step != self.trainer_step
+
+    def take(self, step: int, make_batch: Callable[[list], Any] = list) -> Any:
+        """`make_batch` of the oldest `prompts_per_batch` groups for trainer step `step`, which then leave
+        the queue (nothing leaves when `make_batch` raises), or None when fewer than `min_ready_batches`
+        batches are queued. Advances the trainer step to `step` first. Raises if a batch was already
+        released for `step` (one batch per optimizer step)."""
+        self.set_trainer_step(step)
+        if self.last_release_step == step:
+            raise ValueError(f"a batch was already released for trainer step {step}")
+        if len(self._entries) < self.ready_groups:
+            return None
+        entries = self._entries[:self.batch_groups]  # none is stale: set_trainer_step evicted them
+        batch = make_batch([e.group for e in entries])
+        del self._entries[:self.batch_groups]
+        self.last_release_step = step
+        self.counts["released"] += len(entries)
+        self.counts["released_batches"] += 1
+        return batch
+
+    def queue_limit(self, generating_version: int) -> int:
+        """Groups that may be queued or in flight now (the rule is in the module docstring)."""
+        if generating_version > self.trainer_step:
+            raise ValueError(f"worker version {generating_version} is newer than trainer step {self.trainer_step}")
+        next_pull = self._next_pull_step()
+        pulls = generating_version + self.max_staleness_steps - next_pull + 1
+        limit = max(pulls, 0) * self.batch_groups
+        if next_pull == self.trainer_step:
+            limit = max(limit, self.ready_groups)  # the trainer waits at this step: let it pull
+        return min(limit, self.capacity_groups)
+
+    def admission_credit(self, in_flight_groups: int, generating_version: int) -> int:
+        """How many more groups rollout workers may start now.
+
+        in_flight_groups: groups started and not yet passed to the buffer (all workers);
+        generating_version: the policy version the workers generate with now (the oldest, if they differ).
+        """
+        if in_flight_groups < 0:
+            raise ValueError(f"in_flight_groups must be >= 0, got {in_flight_groups}")
+        return max(0, self.queue_limit(generating_version) - len(self._entries) - in_flight_groups)
 
 
 class _Window:
@@ -156,17 +266,10 @@ class RolloutBuffer:
         self.sampling = sampling
         self.stage_steps = stage_steps
         self.first_version = first_version
-        self.batch_groups = sampling.prompts_per_batch
-        self.capacity_groups = asynchrony.buffer_capacity_batches * sampling.prompts_per_batch
-        self.ready_groups = asynchrony.min_ready_batches * sampling.prompts_per_batch
+        self.queue = BatchQueue(asynchrony, sampling.prompts_per_batch, first_version)
         self.frontier = frontier if frontier is not None else SolveRateFrontier()
-        self._trainer_step = first_version
-        self._last_release_step: int | None = None
-        self._arrivals = 0
-        self._entries: list[_Entry] = []          # sorted, oldest first
-        self._buffered_ids: set[str] = set()
         self._ledger: set[str] = set()             # ids of every group received in the stage
-        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._counts = dict.fromkeys(SCORING_COUNTERS, 0)  # the queue keeps its own
         self._staleness_hist: dict[int, int] = {}  # staleness -> released rollouts
         self._pending_solve: dict[str, list[float]] = {}  # source -> [gated reward sum, rollouts]
         self._pending_groups = 0
@@ -182,46 +285,31 @@ class RolloutBuffer:
 
     @property
     def trainer_step(self) -> int:
-        return self._trainer_step
+        return self.queue.trainer_step
+
+    @property
+    def batch_groups(self) -> int:
+        return self.queue.batch_groups
+
+    @property
+    def capacity_groups(self) -> int:
+        return self.queue.capacity_groups
+
+    @property
+    def ready_groups(self) -> int:
+        return self.queue.ready_groups
 
     @property
     def num_buffered(self) -> int:
-        return len(self._entries)
+        return len(self.queue)
 
     def buffered(self) -> tuple[RolloutGroup, ...]:
         """The buffered (admitted) groups, oldest first: the order of release."""
-        return tuple(e.group for e in self._entries)
-
-    def staleness_of(self, group: RolloutGroup) -> int:
-        """Staleness of the group's stalest rollout at the current trainer step."""
-        return self._trainer_step - group.min_version
+        return self.queue.groups()
 
     def set_trainer_step(self, step: int) -> int:
         """Record the trainer's policy version (optimizer steps done); returns groups evicted as stale."""
-        if step < self._trainer_step:
-            raise ValueError(f"trainer step went back from {self._trainer_step} to {step}")
-        self._trainer_step = step
-        return self._evict_stale()
-
-    def _evict_stale(self) -> int:
-        # Entries are sorted by min_version, so the stale ones form a prefix.
-        oldest_ok = self._trainer_step - self.asynchrony.max_staleness_steps
-        cut = bisect.bisect_left(self._entries, (oldest_ok, -1))
-        for entry in self._entries[:cut]:
-            self._buffered_ids.discard(entry.group.group_id)
-        del self._entries[:cut]
-        self._counts["evicted_stale"] += cut
-        return cut
-
-    def _evict_capacity(self) -> list[str]:
-        excess = len(self._entries) - self.capacity_groups
-        if excess <= 0:
-            return []
-        evicted = [e.group.group_id for e in self._entries[:excess]]
-        self._buffered_ids.difference_update(evicted)
-        del self._entries[:excess]
-        self._counts["evicted_capacity"] += excess
-        return evicted
+        return self.queue.set_trainer_step(step)
 
     # --- admission -------------------------------------------------------------------------------
 
@@ -230,7 +318,7 @@ class RolloutBuffer:
         spec = self.algorithm.length_reward
         if not spec.enabled:
             return 0.0
-        return length_coef(self._trainer_step - self.first_version, num_steps=self.stage_steps,
+        return length_coef(self.queue.trainer_step - self.first_version, num_steps=self.stage_steps,
                            c_start=spec.c_start, c_end=spec.c_end)
 
     def _canary_flags(self, group: RolloutGroup) -> np.ndarray:
@@ -284,18 +372,8 @@ class RolloutBuffer:
             a.flags.writeable = False
         scored = RolloutGroup(group.group_id, group.prompt, group.rollouts, group.verifications, rewards=rewards,
                               length_bonuses=bonus, advantages=advantages, canary_flags=flags)
-        bisect.insort(self._entries, _Entry(scored.min_version, self._arrivals, scored))
-        self._arrivals += 1
-        self._buffered_ids.add(group.group_id)
-        self._counts["admitted"] += 1
-
-        stale = self._evict_stale()
-        evicted = self._evict_capacity()
-        if group.group_id not in self._buffered_ids:
-            status: AdmissionStatus = "evicted_capacity" if group.group_id in evicted else "evicted_stale"
-        else:
-            status = "buffered"
-        return Admission(group.group_id, status, flagged, stale, len(evicted))
+        status, stale, capacity = self.queue.push(scored, scored.min_version)
+        return Admission(group.group_id, status, flagged, stale, capacity)
 
     def _record_received(self, group: RolloutGroup, task: np.ndarray, rewards: np.ndarray,
                          flagged: int, lengths: np.ndarray, bonus: np.ndarray) -> None:
@@ -341,32 +419,17 @@ class RolloutBuffer:
 
     # --- release ---------------------------------------------------------------------------------
 
-    def _next_pull_step(self) -> int:
-        return self._trainer_step + int(self._last_release_step == self._trainer_step)
-
     def ready(self) -> bool:
         """Whether `take_batch(trainer_step)` would release a batch now."""
-        return (len(self._entries) >= self.ready_groups
-                and self._last_release_step != self._trainer_step)
+        return self.queue.ready()
 
     def take_batch(self, step: int) -> TrainBatch | None:
         """The batch for trainer step `step` (its policy version), or None when fewer than
         `min_ready_batches` batches are buffered. Advances the buffer's trainer step to `step` first.
         Raises if a batch was already released for `step` (one batch per optimizer step)."""
-        self.set_trainer_step(step)
-        if self._last_release_step == step:
-            raise ValueError(f"a batch was already released for trainer step {step}")
-        if len(self._entries) < self.ready_groups:
+        batch = self.queue.take(step, lambda groups: TrainBatch(groups=tuple(groups), trainer_step=step))
+        if batch is None:
             return None
-        entries = self._entries[:self.batch_groups]
-        batch = TrainBatch(groups=tuple(e.group for e in entries), trainer_step=step)
-        if batch.max_staleness > self.asynchrony.max_staleness_steps:
-            raise AssertionError(f"stale group survived eviction: staleness {batch.max_staleness} at step {step}")
-        del self._entries[:self.batch_groups]
-        self._buffered_ids.difference_update(g.group_id for g in batch.groups)
-        self._last_release_step = step
-        self._counts["released"] += len(batch.groups)
-        self._counts["released_batches"] += 1
         values, counts = np.unique(batch.staleness, return_counts=True)
         for s, n in zip(values.tolist(), counts.tolist()):
             self._staleness_hist[s] = self._staleness_hist.get(s, 0) + n
@@ -387,24 +450,11 @@ class RolloutBuffer:
 
     def queue_limit(self, generating_version: int) -> int:
         """Groups that may be buffered or in flight now (the rule is in the module docstring)."""
-        if generating_version > self._trainer_step:
-            raise ValueError(f"worker version {generating_version} is newer than trainer step {self._trainer_step}")
-        next_pull = self._next_pull_step()
-        pulls = generating_version + self.asynchrony.max_staleness_steps - next_pull + 1
-        limit = max(pulls, 0) * self.batch_groups
-        if next_pull == self._trainer_step:
-            limit = max(limit, self.ready_groups)  # the trainer waits at this step: let it pull
-        return min(limit, self.capacity_groups)
+        return self.queue.queue_limit(generating_version)
 
     def admission_credit(self, in_flight_groups: int, generating_version: int) -> int:
-        """How many more groups rollout workers may start now.
-
-        in_flight_groups: groups started and not yet passed to `admit` (all workers);
-        generating_version: the policy version the workers generate with now (the oldest, if they differ).
-        """
-        if in_flight_groups < 0:
-            raise ValueError(f"in_flight_groups must be >= 0, got {in_flight_groups}")
-        return max(0, self.queue_limit(generating_version) - len(self._entries) - in_flight_groups)
+        """How many more groups rollout workers may start now (`BatchQueue.admission_credit`)."""
+        return self.queue.admission_credit(in_flight_groups, generating_version)
 
     # --- metrics and state -----------------------------------------------------------------------
 
@@ -412,16 +462,16 @@ class RolloutBuffer:
         """Cumulative counts (buffer/, canary/, env/, staleness/<k>) and means over the groups received
         since the previous call (reward/, lengths/, length_reward/, fractions); window means are
         omitted when no group arrived. `reset_window=False` leaves the window open."""
-        c = self._counts
+        c = self.counts()
         out: dict[str, float] = {f"buffer/{k}": float(c[k]) for k in
                                  ("received", "admitted", "dropped_zero_signal", "kept_for_length",
                                   "released", "released_batches", "evicted_capacity", "evicted_stale",
                                   "discarded_on_resume")}
         out["ledger/prompts"] = float(len(self._ledger))
         out["ledger/duplicates"] = float(c["duplicates"])
-        out["buffer/occupancy"] = float(len(self._entries))
-        out["buffer/occupancy_batches"] = len(self._entries) / self.batch_groups
-        out["buffer/trainer_step"] = float(self._trainer_step)
+        out["buffer/occupancy"] = float(c["buffered"])
+        out["buffer/occupancy_batches"] = c["buffered"] / self.batch_groups
+        out["buffer/trainer_step"] = float(self.trainer_step)
         out["canary/lz77_flagged"] = float(c["canary_flagged"])
         out["env/verifier_errors"] = float(c["verifier_errors"])
         released_rollouts = sum(self._staleness_hist.values())
@@ -460,17 +510,17 @@ class RolloutBuffer:
 
     def counts(self) -> dict[str, int]:
         """Cumulative counters plus `buffered`, for conservation checks."""
-        return {**self._counts, "buffered": len(self._entries)}
+        return {**self._counts, **self.queue.counts, "buffered": len(self.queue)}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain, JSON-serialisable state; buffered groups are counted as discarded, not saved."""
-        counts = dict(self._counts)
-        counts["discarded_on_resume"] += len(self._entries)
+        counts = self.counts()
+        counts["discarded_on_resume"] += counts.pop("buffered")
         return {
             "version": STATE_VERSION,
-            "trainer_step": self._trainer_step,
-            "last_release_step": self._last_release_step,
-            "arrivals": self._arrivals,
+            "trainer_step": self.queue.trainer_step,
+            "last_release_step": self.queue.last_release_step,
+            "arrivals": self.queue.arrivals,
             "counts": counts,
             "staleness_hist": {str(s): n for s, n in self._staleness_hist.items()},
             "frontier": self.frontier.state_dict(),
@@ -486,14 +536,15 @@ class RolloutBuffer:
         unknown = set(state["counts"]) - set(COUNTERS)
         if unknown:
             raise ValueError(f"unknown buffer counters in state: {sorted(unknown)}")
-        if self._entries:
-            logger.warning("load_state_dict drops %d buffered groups", len(self._entries))
+        if len(self.queue):
+            logger.warning("load_state_dict drops %d buffered groups", len(self.queue))
         self.frontier.load_state_dict(state["frontier"])
-        self._trainer_step = int(state["trainer_step"])
+        self.queue = BatchQueue(self.asynchrony, self.sampling.prompts_per_batch, int(state["trainer_step"]))
         last = state["last_release_step"]
-        self._last_release_step = None if last is None else int(last)
-        self._arrivals = int(state["arrivals"])
-        self._counts = {k: int(state["counts"].get(k, 0)) for k in COUNTERS}
+        self.queue.last_release_step = None if last is None else int(last)
+        self.queue.arrivals = int(state["arrivals"])
+        self._counts = {k: int(state["counts"].get(k, 0)) for k in SCORING_COUNTERS}
+        self.queue.counts = {k: int(state["counts"].get(k, 0)) for k in QUEUE_COUNTERS}
         self._staleness_hist = {int(s): int(n) for s, n in state["staleness_hist"].items()}
         self._pending_solve = {str(s): [float(v[0]), int(v[1])] for s, v in state["pending_solve"].items()}
         self._pending_groups = int(state["pending_groups"])
@@ -501,6 +552,4 @@ class RolloutBuffer:
         if len(self._ledger) != self._counts["received"]:
             raise ValueError(f"buffer state: the prompt ledger holds {len(self._ledger)} ids but "
                              f"{self._counts['received']} groups were received")
-        self._entries = []
-        self._buffered_ids = set()
         self._window = _Window()

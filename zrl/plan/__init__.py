@@ -1,7 +1,7 @@
 """Plan a cluster before renting it: the RL stage's own scheduling on a simulated clock.
 
-`simulate` (simulator.py) drives the real `StageSchedule` and `RolloutBuffer` with simulated rollout
-workers, trainer and weight syncs whose timings come from workload models (workload.py: response
+`simulate` (simulator.py) drives the real `StageSchedule` and the buffer's `BatchQueue` with simulated
+rollout workers, trainer and weight syncs whose timings come from workload models (workload.py: response
 lengths, continuous-batching decode, trainer FLOPs or measured rates, sync seconds); report.py sweeps
 rollout:trainer ratios, compares asynchronous with synchronous mode, prints tables and draws the plot
 behind `zrl plan`.

@@ -1,8 +1,8 @@
 """The RL stage's own scheduling on a simulated clock: `simulate(stage, workload, rollout_workers)`.
 
 The decisions are the real loop's objects, unchanged: `StageSchedule` (zrl.pipeline.schedule) decides
-rounds, training and syncs, `RolloutBuffer` (zrl.buffer) admits, paces (admission credit), evicts and
-releases. This module only replaces the transport (zrl.pipeline.rl_stage): Ray calls become events
+rounds, training and syncs, the buffer's `BatchQueue` (zrl.buffer) queues, paces (admission credit),
+evicts and releases. This module only replaces the transport (zrl.pipeline.rl_stage): Ray calls become events
 on a clock, vLLM engines become `_Engine`s driven by the workload's decode-step model, the trainer a
 step time. It calls the schedule and the buffer in the order the transport does; answers (credit,
 release) come back at once, and verification takes no time.
@@ -21,9 +21,13 @@ What is modelled, and how:
   starts no group continues it. A sequence's tokens carry the version its engine held at its start.
 - A weight sync is one collective: it starts when the trainer and every worker are free (a worker
   after its current round), takes `sync_s`, and the trainer ranks train nothing meanwhile.
-- Groups are real `RolloutGroup`s whose arrays are zero-copy views of one zero array (only their
-  lengths and versions matter); the LZ77 canary is off in the simulation (it would flag the zeros),
-  the workload's `zero_signal_fraction` of groups get all-equal rewards instead.
+- A group is its response lengths and the version its tokens carry: all the queue's rules read (it
+  knows a group by its version), and all the trainer's step time needs. The buffer's scoring is not
+  run, since simulated responses have no rewards: of what it decides, only its zero-signal drop
+  changes the schedule, and the workload's `zero_signal_fraction` of groups are dropped there (with
+  the stage's dynamic sampling on; an all-failed group is what the scorer drops,
+  tests/unit/plan/test_simulator.py). No `Rollout` record is made, so a plan costs the same per
+  group whatever the response lengths.
 
 Invariants: the simulated stage ends when the schedule says it is done, else `simulate` raises
 (a stall); every group started is in an engine, admitted (buffer counts) or lost (never here);
@@ -39,20 +43,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from zrl.buffer import RolloutBuffer
+from zrl.buffer import BatchQueue
 from zrl.config.schema import RLStage
 from zrl.pipeline.schedule import StageSchedule
 from zrl.plan.workload import Workload
-from zrl.types import Prompt, Rollout, RolloutGroup, Verification, stream_group_id
 
 EPS = 1e-9
 
 
 @dataclass(slots=True)
 class _Group:
-    group_id: str
-    version: int
+    version: int              # the policy version of every token (its engine's when it started)
     lengths: np.ndarray       # [G] response tokens
+    tokens: int               # their sum
 
 
 class _Engine:
@@ -208,11 +211,9 @@ class _Simulation:
         self.schedule = schedule_class(num_workers=rollout_workers, policy_version=0, end_version=steps,
                                       prompts_per_batch=s.prompts_per_batch, sync_every_steps=a.sync_every_steps,
                                       synchronous=a.max_staleness_steps == 0)
-        # The canary would flag the zero token arrays; everything else is the stage's algorithm.
-        canaries = stage.algorithm.canaries.model_copy(
-            update={"lz77": stage.algorithm.canaries.lz77.model_copy(update={"enabled": False})})
-        algorithm = stage.algorithm.model_copy(update={"canaries": canaries})
-        self.buffer = RolloutBuffer(a, algorithm, s, stage_steps=steps)
+        self.queue = BatchQueue(a, s.prompts_per_batch)
+        self.dynamic_sampling = stage.algorithm.dynamic_sampling
+        self.received = self.dropped = 0
         self.engines = [_Engine() for _ in range(rollout_workers)]
         self.groups: dict[int, _Group] = {}   # the groups in engines, by index (started in order)
         self.groups_started = 0
@@ -227,15 +228,7 @@ class _Simulation:
         self.busy_before = 0.0          # rollout busy seconds before the current window
         self.peak_kv = 0.0
         self.staleness_tokens: dict[int, float] = {}
-        longest = s.max_response_tokens
-        self.prompt_ids = np.zeros(workload.prompt_tokens, dtype=np.int32)
-        # Every response is a view of one zero array, made once per length (a plan makes ~10^6 responses).
-        tokens, logprobs = np.zeros(longest, dtype=np.int32), np.zeros(longest, dtype=np.float32)
-        self.responses = [(tokens[:n], logprobs[:n], "length" if n == longest else "stop") for n in range(longest + 1)]
-        self.prompt = Prompt(env="plan", prompt_id="plan", messages=(), answer="", data_source="plan")
-        g = s.group_size
-        self.mixed = (Verification(1.0),) + (Verification(0.0),) * (g - 1)
-        self.flat = (Verification(0.0),) * g
+        self.staleness_rollouts = dict.fromkeys(range(a.max_staleness_steps + 1), 0)
 
     # ------------------------------------------------------------------ events
 
@@ -263,7 +256,7 @@ class _Simulation:
         while not s.done:
             if not self.events:
                 raise RuntimeError(f"the simulated stage stalled at step {s.policy_version} (t={t:.1f} s): "
-                                   f"{self.buffer.counts()}, in flight {s.in_flight_groups()}")
+                                   f"{self._counts()}, in flight {s.in_flight_groups()}")
             t, _, kind, w, token = heapq.heappop(self.events)
             if kind == "round":
                 if token != self.engines[w].event:
@@ -286,8 +279,8 @@ class _Simulation:
             if new:
                 first = self.groups_started
                 all_lengths = lengths.sample(self.rng, new * g).reshape(new, g)
-                for i in range(new):
-                    self.groups[first + i] = _Group(stream_group_id(w, e.draws, i, "plan"), e.version, all_lengths[i])
+                for i, tokens in enumerate(all_lengths.sum(axis=1).tolist()):
+                    self.groups[first + i] = _Group(e.version, all_lengths[i], tokens)
                 self.groups_started += new
                 e.draws += 1
                 e.groups_in_engine += new
@@ -316,19 +309,20 @@ class _Simulation:
         s.progressed()
         for group in finished:
             s.group_handed_on()
-            self.buffer.admit(self._rollout_group(group))
+            self._admit(group)
             s.progressed()
         if s.workers[w].syncing and e.sync_ready is None:
             e.sync_ready = t
             self._maybe_sync_ready()
 
-    def _rollout_group(self, group: _Group) -> RolloutGroup:
-        segments = ((0, group.version),)
-        prompt_ids, responses = self.prompt_ids, self.responses
-        rollouts = tuple([Rollout(prompt_ids, tokens, logprobs, None, segments, reason)
-                          for tokens, logprobs, reason in map(responses.__getitem__, group.lengths.tolist())])
-        flat = self.rng.random() < self.workload.zero_signal_fraction
-        return RolloutGroup(group.group_id, self.prompt, rollouts, self.flat if flat else self.mixed)
+    def _admit(self, group: _Group) -> None:
+        """The buffer's admission of a verified group: its scoring drops a zero-signal group (the
+        workload's fraction of them, with dynamic sampling on), its queue takes the rest."""
+        self.received += 1
+        if self.rng.random() < self.workload.zero_signal_fraction and self.dynamic_sampling:
+            self.dropped += 1
+        else:
+            self.queue.push(group, group.version)
 
     def _wake_for_credit(self, t: float) -> None:
         """Credit the buffer would give now is taken at the earliest round end of a running worker
@@ -336,7 +330,7 @@ class _Simulation:
         s = self.schedule
         if s.paused or s.credit_requested:
             return
-        if self.buffer.admission_credit(s.in_flight_groups(), s.generating_version()) <= 0:
+        if self.queue.admission_credit(s.in_flight_groups(), s.generating_version()) <= 0:
             return
         candidates = [(self._next_round_end(e, t), w) for w, e in enumerate(self.engines)
                       if e.chain_start is not None and not s.workers[w].syncing]
@@ -361,8 +355,8 @@ class _Simulation:
             if ask_batch:
                 s.batch_requested = True
             if ask_credit:
-                self._launch(s.plan_rounds(self.buffer.admission_credit(s.in_flight_groups(),
-                                                                        s.generating_version())), t)
+                self._launch(s.plan_rounds(self.queue.admission_credit(s.in_flight_groups(),
+                                                                       s.generating_version())), t)
             if ask_batch:
                 self._release(t)
             if not (launches or ask_credit or ask_batch):
@@ -372,26 +366,28 @@ class _Simulation:
 
     def _release(self, t: float) -> None:
         s = self.schedule
-        batch = self.buffer.take_batch(s.policy_version)
-        s.batch_answer(batch is not None)
-        if batch is None:
+        step = s.policy_version
+        groups = self.queue.take(step)
+        s.batch_answer(groups is not None)
+        if groups is None:
             return
-        rollouts = batch.rollouts()
-        response = np.array([len(r.token_ids) for r in rollouts])
-        weights = np.bincount(batch.staleness, weights=response)
-        for staleness, tokens in enumerate(weights.tolist()):
-            if tokens:
-                self.staleness_tokens[staleness] = self.staleness_tokens.get(staleness, 0.0) + tokens
+        response_tokens = 0
+        for group in groups:
+            staleness = step - group.version
+            self.staleness_tokens[staleness] = self.staleness_tokens.get(staleness, 0.0) + group.tokens
+            self.staleness_rollouts[staleness] += self.group_size
+            response_tokens += group.tokens
         self.release_t = t
         start = max(t, self.trainer_free)
+        response = np.concatenate([group.lengths for group in groups])  # [N_seq]
         self.trainer_free = start + self.workload.trainer.step_s(response + self.workload.prompt_tokens)
-        self.last_batch = (batch.max_staleness, int(response.sum()))
+        self.last_batch = (step - min(group.version for group in groups), response_tokens)
         self._push(self.trainer_free, "trained")
 
     def _on_trained(self, t: float) -> None:
         s = self.schedule
         sync_due = s.step_done()
-        self.buffer.set_trainer_step(s.policy_version)
+        self.queue.set_trainer_step(s.policy_version)
         if sync_due:
             self._start_sync(t)
         for e in self.engines:
@@ -439,9 +435,6 @@ class _Simulation:
     def _result(self, t: float) -> PlanResult:
         steady = self.rows[1:]
         span = steady[-1].time_s - self.rows[0].time_s
-        metrics = self.buffer.metrics()
-        a = self.buffer.asynchrony
-        hist = {k: int(metrics[f"staleness/{k}"]) for k in range(a.max_staleness_steps + 1)}
         total = sum(self.staleness_tokens.values())
         in_engines = sum(e.groups_in_engine for e in self.engines)
         return PlanResult(
@@ -449,12 +442,18 @@ class _Simulation:
             steps=self.steps, simulated_s=t, steps_per_hour=3600 * len(steady) / span,
             rollout_idle_frac=float(np.mean([r.rollout_idle_frac for r in steady])),
             trainer_idle_frac=float(np.mean([r.trainer_idle_frac for r in steady])),
-            staleness_rollouts=hist,
+            staleness_rollouts=self.staleness_rollouts,
             staleness_tokens={k: v / total for k, v in sorted(self.staleness_tokens.items())},
-            buffer_counts=self.buffer.counts(), groups_started=self.groups_started,
+            buffer_counts=self._counts(), groups_started=self.groups_started,
             groups_in_flight=in_engines + self.schedule.verifying, syncs=self.syncs,
             peak_kv_tokens_per_worker=self.peak_kv, workers_used=sum(e.draws > 0 for e in self.engines),
             rows=self.rows)
+
+
+    def _counts(self) -> dict[str, int]:
+        """The buffer's counters (`RolloutBuffer.counts`) that the plan has: its queue's and the drops."""
+        return {"received": self.received, "dropped_zero_signal": self.dropped, **self.queue.counts,
+                "buffered": len(self.queue)}
 
 
 def simulate(stage: RLStage, workload: Workload, rollout_workers: int, *, steps: int | None = None,

@@ -1,4 +1,4 @@
-"""The simulated stage: the real StageSchedule and RolloutBuffer driven by simulated workers."""
+"""The simulated stage: the real StageSchedule and the buffer's BatchQueue driven by simulated workers."""
 
 import numpy as np
 import pytest
@@ -38,7 +38,7 @@ def test_drives_the_loops_schedule_and_buffer():
     result = simulate(small_stage(), workload(), 2, steps=10, schedule_class=RecordingSchedule)
     assert RecordingSchedule.calls.count("step_done") == 10
     assert "plan_rounds" in RecordingSchedule.calls
-    assert result.buffer_counts["released_batches"] == 10  # the RolloutBuffer's own counter
+    assert result.buffer_counts["released_batches"] == 10  # the BatchQueue's own counter
 
 
 @pytest.mark.parametrize("sync", [False, True])
@@ -51,6 +51,34 @@ def test_conservation_of_groups(sync):
     assert c["admitted"] == c["released"] + c["evicted_capacity"] + c["evicted_stale"] + c["buffered"]
     assert c["released"] == 25 * 8
     assert c["dropped_zero_signal"] > 0  # the workload's zero-signal groups reach the buffer's filter
+
+
+@pytest.mark.parametrize("dynamic_sampling", [True, False])
+def test_the_plans_zero_signal_drop_is_the_buffers(dynamic_sampling):
+    """The plan skips scoring and drops its zero-signal groups itself: the real buffer, scoring the
+    same groups with the stage's algorithm (length bonus on), drops an all-failed group and keeps one
+    with a success exactly when the plan does."""
+    from zrl.buffer import RolloutBuffer
+    from zrl.types import Prompt, Rollout, RolloutGroup, Verification
+
+    stage = small_stage()
+    stage = stage.model_copy(update={"algorithm": stage.algorithm.model_copy(
+        update={"dynamic_sampling": dynamic_sampling})})
+    assert stage.algorithm.length_reward.enabled
+    buffer = RolloutBuffer.from_stage(stage)
+    tokens = np.random.default_rng(0).integers(0, 1 << 20, 64).astype(np.int32)  # no LZ77 flag
+
+    def group(group_id, rewards):
+        rollouts = [Rollout(np.zeros(4, np.int32), tokens[:n], np.zeros(n, np.float32), None, ((0, 0),), "stop")
+                    for n in (10, 40, 20, 64)]
+        prompt = Prompt(env="e", prompt_id=group_id, messages=(), answer="", data_source="e")
+        return RolloutGroup(group_id, prompt, rollouts, [Verification(r) for r in rewards])
+
+    assert buffer.admit(group("mixed", [1, 0, 0, 0])).status == "buffered"
+    flat = buffer.admit(group("flat", [0, 0, 0, 0]))
+    assert flat.status == ("dropped_zero_signal" if dynamic_sampling else "buffered")
+    plan = simulate(stage, workload(zero_signal=0.5), 2, steps=10)
+    assert (plan.buffer_counts["dropped_zero_signal"] > 0) == dynamic_sampling
 
 
 def test_sync_mode_trains_no_stale_token():
