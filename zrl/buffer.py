@@ -288,18 +288,6 @@ class RolloutBuffer:
         return self.queue.trainer_step
 
     @property
-    def batch_groups(self) -> int:
-        return self.queue.batch_groups
-
-    @property
-    def capacity_groups(self) -> int:
-        return self.queue.capacity_groups
-
-    @property
-    def ready_groups(self) -> int:
-        return self.queue.ready_groups
-
-    @property
     def num_buffered(self) -> int:
         return len(self.queue)
 
@@ -411,7 +399,7 @@ class RolloutBuffer:
         pending[0] += gated_sum
         pending[1] += g
         self._pending_groups += 1
-        if self._pending_groups >= self.batch_groups:
+        if self._pending_groups >= self.queue.batch_groups:
             for source, (total, count) in self._pending_solve.items():
                 self.frontier.update(source, total / count)
             self._pending_solve.clear()
@@ -470,7 +458,7 @@ class RolloutBuffer:
         out["ledger/prompts"] = float(len(self._ledger))
         out["ledger/duplicates"] = float(c["duplicates"])
         out["buffer/occupancy"] = float(c["buffered"])
-        out["buffer/occupancy_batches"] = c["buffered"] / self.batch_groups
+        out["buffer/occupancy_batches"] = c["buffered"] / self.queue.batch_groups
         out["buffer/trainer_step"] = float(self.trainer_step)
         out["canary/lz77_flagged"] = float(c["canary_flagged"])
         out["env/verifier_errors"] = float(c["verifier_errors"])

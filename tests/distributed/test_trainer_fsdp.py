@@ -31,14 +31,17 @@ REPLAYED_EXPERT = 2
 # reduce-scatter), ~1e-7 relative in fp32. Muon orthogonalises in bf16: rounding the gradient to bf16
 # flips on such differences, and Newton-Schulz amplifies the rounding noise in the gradient's (near)
 # null space (tiny singular values grow ~a^5 = 487x), so one Muon update differs by up to ~1.5 % of its
-# norm; over several steps the trajectories drift apart further (measured 11-37 % of the router-MLP
-# updates after 2-3 steps at lr 2e-2). So gradients are compared tightly and updates per single step
-# from equal weights, each tolerance with its measured value.
+# norm on most CPUs, and by 6.7 % for the small router-MLP output projection on an Intel Xeon with
+# AVX512-BF16/FP16 (its bf16 matmuls round differently; every other tensor there <= 1.3 %); over several
+# steps the trajectories drift apart further (measured 11-37 % of the router-MLP updates after 2-3 steps
+# at lr 2e-2). So gradients are compared tightly and updates per single step from equal weights, each
+# tolerance with its measured value; an update off by a wrong learning rate or a lost step differs by 50 %
+# or more.
 # Gradients: per tensor ||g1 - g2|| / ||g2||, worst for the 2-element qk_norm.temp (sums over all
 # tokens with cancellation); and over the whole gradient. Measured values at each assertion.
 GRAD_RTOL = 5e-5
 GRAD_TOTAL_RTOL = 1e-6
-UPDATE_RTOL = 0.05  # per-tensor ||W1 - W2|| / ||W2 - W_start||
+UPDATE_RTOL = 0.15  # per-tensor ||W1 - W2|| / ||W2 - W_start||
 
 
 def _free_port() -> int:
@@ -149,11 +152,16 @@ def test_two_ranks_equal_one_rank(run):
             assert a[key] == b[key], key
         # Step 1 starts from equal weights: the global statistics agree to fp32 summation order (measured
         # <= 6e-8 rel). Steps 2-3 start from weights that differ by the bf16 Newton-Schulz noise above;
-        # measured <= 4.3e-4 rel (grad/norm_muon at step 3).
+        # measured <= 4.3e-4 rel (grad/norm_muon at step 3). Native routing (what replay disagrees with)
+        # is a count of discrete choices: a router near a tie flips on that noise. Measured: equal at step 2,
+        # 0.793 vs 0.807 at step 3 on the AVX512-FP16 Xeon (4 tokens' worth of 285); allowed: 12 tokens' worth.
         rel = 1e-5 if step == 0 else 5e-3
         for key in ("loss/policy", "grad/norm_muon", "grad/norm_adamw", "mismatch/kl_k3",
-                    "routing/replay_disagree_frac", "trust_region/masked_frac", "policy/entropy_mean"):
+                    "trust_region/masked_frac", "policy/entropy_mean"):
             assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-9), (step, key)
+        flips = 0 if step == 0 else 12 / a["batch/input_tokens"]
+        assert b["routing/replay_disagree_frac"] == pytest.approx(a["routing/replay_disagree_frac"], rel=1e-5,
+                                                                  abs=flips), step
 
 
 def test_step_metrics(run):
@@ -184,8 +192,8 @@ def test_resume_two_rank_checkpoint_on_one_rank(run):
     assert w1["results"]["C_data_state"] == {"prompt_cursor": 17, "saved_on": 2}
     g1, g2 = w1["weights"], w2["weights"]
     # Step 2 on 1 rank from the 2-rank checkpoint vs step 2 of the 2-rank run: the same starting weights,
-    # so the same gradient (measured <= 2.8e-6 rel per tensor, 2.1e-7 whole) and the same update up to bf16
-    # NS noise (measured 0.9 % to 1.4 %).
+    # so the same gradient (measured <= 2.8e-6 rel per tensor, 2.1e-7 whole; 3.7e-6 on the AVX512-FP16
+    # Xeon) and the same update up to bf16 NS noise (measured 0.9 % to 1.4 %; 6.7 % there, see above).
     assert _max_rel(g1["C_grad2"], g2["A_grad2"]) < GRAD_RTOL
     assert _total_rel(g1["C_grad2"], g2["A_grad2"]) < GRAD_TOTAL_RTOL
     assert _max_update_rel(g1["C_step2"], g2["A_step2"], g2["A_step1"]) < UPDATE_RTOL

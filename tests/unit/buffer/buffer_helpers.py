@@ -60,7 +60,7 @@ def assert_conservation(buf: RolloutBuffer) -> None:
     assert c["received"] == c["dropped_zero_signal"] + c["admitted"], c
     assert c["admitted"] == (c["released"] + c["evicted_capacity"] + c["evicted_stale"]
                              + c["discarded_on_resume"] + c["buffered"]), c
-    assert c["buffered"] <= buf.capacity_groups, c
+    assert c["buffered"] <= buf.queue.capacity_groups, c
 
 
 def rollout_staleness_from_versions(step, rollout) -> int:

@@ -422,7 +422,7 @@ def test_from_stage_uses_the_recipe_parts():
     stage = RLStage(name="s", steps=7, environments=[{"name": "arith"}], algorithm=Algorithm(),
                     sampling={"prompts_per_batch": 3, "group_size": 4})
     buf = RolloutBuffer.from_stage(stage, first_version=5)
-    assert (buf.batch_groups, buf.capacity_groups, buf.ready_groups) == (3, 12, 6)
+    assert (buf.queue.batch_groups, buf.queue.capacity_groups, buf.queue.ready_groups) == (3, 12, 6)
     assert buf.trainer_step == 5 and buf.stage_steps == 7
 
 

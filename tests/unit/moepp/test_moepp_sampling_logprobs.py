@@ -160,8 +160,12 @@ def test_all_mass_in_one_token(s):
 def test_chunking_does_not_change_the_result():
     hidden, weight, targets = inputs(seed=5)
     s = SamplingDistribution(temperature=0.7, top_k=5, top_p=0.85, min_p=0.02)
+    # Chunks change the order of fp32 sums (the weight gradient sums over tokens chunk by chunk), so the
+    # two sides may differ by their two errors against float64, each within assert_matches' 1e-5.
+    # Measured 1.1e-6 here on an Intel Xeon with AVX512-FP16 (7.6e-6 worst over seeds 0-39); a chunk
+    # counted twice or dropped would differ by O(0.1).
     for a, b in zip(ours(hidden, weight, targets, s, chunk_tokens=1), ours(hidden, weight, targets, s, chunk_tokens=64)):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
 
 
 def test_invalid_distributions_raise():
