@@ -122,7 +122,7 @@ class StageSchedule:
         launches = []
         for index in sorted(self._idle):
             worker = self.workers[index]
-            new = max(0, min(left, self.prompts_per_batch, share - worker.groups_in_engine))
+            new = max(0, min(left, self.prompts_per_batch, share - worker.groups_in_engine)) if left else 0
             if new == 0 and worker.groups_in_engine == 0:
                 continue
             left -= new
