@@ -2,9 +2,9 @@
 
 The decisions are the real loop's objects, unchanged: `StageSchedule` (zrl.pipeline.schedule) decides
 rounds, training and syncs, the buffer's `BatchQueue` (zrl.buffer) queues, paces (admission credit),
-evicts and releases. This module only replaces the transport (zrl.pipeline.rl_stage): Ray calls become events
-on a clock, vLLM engines become `_Engine`s driven by the workload's decode-step model, the trainer a
-step time. It calls the schedule and the buffer in the order the transport does; answers (credit,
+evicts and releases. This module only replaces the transport (zrl.pipeline.rl_stage): Ray calls become
+events on a clock, vLLM engines become `_Engine`s driven by the workload's decode-step model, the
+trainer a step time. It calls the schedule and the buffer in the order the transport does; answers (credit,
 release) come back at once, and verification takes no time.
 
 What is modelled, and how:
@@ -448,7 +448,6 @@ class _Simulation:
             groups_in_flight=in_engines + self.schedule.verifying, syncs=self.syncs,
             peak_kv_tokens_per_worker=self.peak_kv, workers_used=sum(e.draws > 0 for e in self.engines),
             rows=self.rows)
-
 
     def _counts(self) -> dict[str, int]:
         """The buffer's counters (`RolloutBuffer.counts`) that the plan has: its queue's and the drops."""
