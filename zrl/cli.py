@@ -9,6 +9,7 @@ a model directory not present) and still succeeds; `zrl run` refuses those too.
 """
 
 import argparse
+import faulthandler
 import logging
 import shlex
 import signal
@@ -299,6 +300,7 @@ def _exit_on_sigterm(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
     apply_defaults()
     # The console is zrl's own lines; other libraries' loggers only from warnings up (-v: everything).
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

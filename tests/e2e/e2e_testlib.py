@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 ZRL = str(Path(sys.executable).parent / "zrl")
+ROOT = Path(__file__).resolve().parents[2]  # relative recipe and model paths are the repository's
 PIPELINE_TESTS = Path(__file__).resolve().parent.parent / "integration" / "pipeline"  # coinflip_env.py
 
 
@@ -63,13 +64,21 @@ def zrl_env(pythonpath: list[Path] = (), marker: str | None = None) -> dict:
 def start_zrl(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
     """`zrl ARGS` in its own session, output to `log_path`."""
     log = log_path.open("w")
-    return subprocess.Popen([ZRL, *args], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen([ZRL, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def run_zrl(args: list[str], env: dict, log_path: Path, timeout_s: float = 600) -> int:
+    """`zrl ARGS` to its end; its exit code. A run still going after `timeout_s` fails the test with the
+    driver's thread stacks (SIGUSR1) and the log's tail."""
     proc = start_zrl(args, env, log_path)
     try:
         return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(3)
+        raise AssertionError(f"`zrl {' '.join(args)}` still running after {timeout_s:g} s; its log's tail, with the "
+                             f"driver's stacks:\n{log_path.read_text()[-12000:]}") from None
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_testlib import kill_marked, read_latest, read_rows, wait_until_gone, zrl_env
+from e2e_testlib import kill_marked, read_latest, read_rows, run_zrl, start_zrl, wait_until_gone, zrl_env
 
 log = logging.getLogger(__name__)  # measured values; visible with pytest --log-cli-level=INFO
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -72,16 +72,15 @@ def interrupted_run(tmp_path_factory):
     env = zrl_env()
     marker = env["ZRL_TEST_MARKER"]
     try:
-        proc = subprocess.Popen([ZRL, *args], cwd=ROOT, env=env, stdout=(tmp / "first.log").open("w"),
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_zrl(args, env, tmp / "first.log")
         checkpoint = _kill_after_rl_checkpoint(proc, run_dir)
         assert not wait_until_gone(marker, timeout_s=120), "the killed run left processes behind"
         saved = json.loads((Path(checkpoint["path"]) / "trainer_state.json").read_text())["data_state"]
-        resumed = subprocess.run([ZRL, *args, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True,
-                                 timeout=1200)
-        assert resumed.returncode == 0, resumed.stderr[-6000:]
+        resumed_log = tmp / "resumed.log"
+        rc = run_zrl([*args, "--resume"], env, resumed_log)  # ~1 min on 2 CPU cores
+        assert rc == 0, resumed_log.read_text()[-6000:]
         yield {"run_dir": run_dir, "checkpoint": checkpoint, "saved": saved, "first_log": (tmp / "first.log").read_text(),
-               "resumed_log": resumed.stdout + resumed.stderr}
+               "resumed_log": resumed_log.read_text()}
     finally:
         kill_marked(marker)
 

@@ -294,10 +294,12 @@ class Cascade:
                            log_metrics=self._log(stage), checkpoint=checkpoint,
                            verifier_workers=self.recipe.resources.verifier_workers,
                            cpus_per_verifier_worker=self.recipe.resources.cpus_per_verifier_worker)
-        frontier = self._frontier if stage.inherit.length_reward_state else None
-        curriculum = self._curriculum if stage.inherit.curriculum else None
+        # A resumed stage restores its own frontier and schedulers from `data_state`: it inherits nothing.
+        inherits = data_state is None
+        frontier = self._frontier if inherits and stage.inherit.length_reward_state else None
+        curriculum = self._curriculum if inherits and stage.inherit.curriculum else None
         runner = RLStageRunner(stage, ctx, first_version=first_step, frontier=frontier, curriculum=curriculum, **resume)
-        self._inherited = None if data_state else runner.inherited
+        self._inherited = runner.inherited if inherits else None
         step = runner.run()
         self._frontier, self._curriculum = runner.final_frontier, runner.final_curriculum
         return step
