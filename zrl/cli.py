@@ -300,7 +300,9 @@ def _exit_on_sigterm(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
+    # `kill -USR1 PID`: every thread's stack to the process's stderr (the original one: a caller may have
+    # replaced sys.stderr with an object that has no file descriptor)
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     apply_defaults()
     # The console is zrl's own lines; other libraries' loggers only from warnings up (-v: everything).
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

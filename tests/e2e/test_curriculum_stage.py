@@ -113,6 +113,8 @@ def test_the_scheduler_state_survives_a_killed_driver(interrupted_run):
     assert groups_at_checkpoint > 0
     assert "calibrated at level" not in interrupted_run["resumed_log"]
     assert "did not calibrate" not in interrupted_run["resumed_log"]
+    # restored from the checkpoint, not taken over as if from a previous stage
+    assert "curriculum: inherited" not in interrupted_run["resumed_log"]
     after = [r for r in _rl_rows(interrupted_run["run_dir"]) if r["step"] > interrupted_run["checkpoint"]["step"]]
     assert after, "no RL step after the checkpoint"
     # a fresh scheduler would start from 0 groups and calibrate again; the restored one continues
