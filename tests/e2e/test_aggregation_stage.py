@@ -9,18 +9,15 @@ verify, train and report each entry's reward apart."""
 import dataclasses
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from e2e_testlib import read_rows, recipe, rl_stage, run_to_completion, write_recipe
+from e2e_testlib import ROOT, ZRL, read_rows, recipe, rl_stage, run_to_completion, write_recipe
 
 from environments.strings import StringTask
 from zrl.assets import build_tiny_model, is_checkpoint_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
-ZRL = str(Path(sys.executable).parent / "zrl")
 WORDS = {"tasks": "copy", "min_letters": 3, "max_letters": 5}
 
 

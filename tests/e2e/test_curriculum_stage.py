@@ -22,17 +22,14 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from e2e_testlib import kill_marked, read_latest, read_rows, run_zrl, start_zrl, wait_until_gone, zrl_env
+from e2e_testlib import ROOT, ZRL, kill_marked, read_latest, read_rows, run_zrl, start_zrl, wait_until_gone, zrl_env
 
 log = logging.getLogger(__name__)  # measured values; visible with pytest --log-cli-level=INFO
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
-ZRL = str(Path(sys.executable).parent / "zrl")
 RL_STAGE = "copy_rl_adaptive"
 KEY = "curriculum/strings"
 
