@@ -1,8 +1,11 @@
-"""Work formulas, device peaks and document layouts of bench/moepp_kernels.py (no timing here).
+"""Work formulas, device peaks and document layouts of bench/moepp_kernels.py and bench/gpu_probe.py
+(no timing here).
 
 FLOPs and bytes per call of each MoE++ kernel (useful work: routed tokens only, causal half of
 attention, no recomputation) in the letters of docs/shapes.md; the kernel READMEs give the
-kernels' own counts, including what they recompute.
+kernels' own counts, including what they recompute. `training_step_ops` adds the remaining pieces of
+a trainer step (projections, norms, the LM head as it is executed, optimizer, FSDP2 casts) for the
+roofline estimate of a whole step.
 """
 
 from __future__ import annotations
@@ -156,6 +159,149 @@ def layer_flops(s: Shape, doc_lens: Sequence[int], routed: int) -> Work:
            + 2.0 * t * s.D * s.R + router_work(s, t, 2).flops_fwd + experts_work(s, t, routed, 2).flops_fwd
            + cca_work(s, t, 2).flops_fwd)
     return Work(flops_fwd=fwd, flops_bwd=2 * fwd, bytes_fwd=math.nan, bytes_bwd=math.nan)
+
+
+def gemm_work(m: int, n: int, k: int, act: int) -> Work:
+    """Y [m, n] = X [m, k] W^T with W [n, k] (an nn.Linear), everything in the compute dtype (a bytes).
+
+    FLOPs: forward 2 m n k; backward 4 m n k (dX = dY W, dW = dY^T X). Bytes: forward X and W read,
+    Y written (m k + n k + m n) a; backward dY read twice, W and X once, dX and dW written 2 (m n + n k + m k) a.
+    """
+    return Work(flops_fwd=2.0 * m * n * k, flops_bwd=4.0 * m * n * k, bytes_fwd=float((m * k + n * k + m * n) * act),
+                bytes_bwd=float(2 * (m * n + n * k + m * k) * act))
+
+
+def rms_norm_work(s: Shape, tokens: int, act: int) -> Work:
+    """RMSNorm of the fp32 residual stream [T, D] (memory-bound). FLOPs ~4 T D forward, ~8 T D backward.
+    Bytes forward: x read T D 4, normed written T D a, weight D a; backward: x and dnormed read, dx
+    written T D (8 + a), the weight's gradient D 4."""
+    e = tokens * s.D
+    return Work(flops_fwd=4.0 * e, flops_bwd=8.0 * e, bytes_fwd=float(e * (4 + act) + s.D * act),
+                bytes_bwd=float(e * (8 + act) + s.D * 4))
+
+
+def attention_work(s: Shape, doc_lens: Sequence[int], act: int) -> Work:
+    """Causal GQA attention inside each document: q, o [T, Hq, d], k, v [T, Hk, d] in the compute dtype.
+
+    FLOPs (useful): forward 2 Hq d sum(S_i^2) (QK^T and PV, each 2 S^2 d over the causal half);
+    backward twice that (a flash backward executes 2.5x: it recomputes QK^T, see FLASH_BWD_EXECUTED).
+    Bytes (the [S, S] scores never reach memory): forward q, k, v read and o written T d (2 Hq + 2 Hk) a
+    plus the log-sum-exp 4 T Hq; backward q, k, v, o, do read and dq, dk, dv written T d (4 Hq + 4 Hk) a
+    plus the log-sum-exp and the row sums 8 T Hq.
+    """
+    t, sq = sum(doc_lens), sum(n * n for n in doc_lens)
+    fwd = 2.0 * s.Hq * s.d * sq
+    return Work(flops_fwd=fwd, flops_bwd=2 * fwd, bytes_fwd=float(t * s.d * (2 * s.Hq + 2 * s.Hk) * act + 4 * t * s.Hq),
+                bytes_bwd=float(t * s.d * (4 * s.Hq + 4 * s.Hk) * act + 8 * t * s.Hq))
+
+
+FLASH_BWD_EXECUTED = 1.25  # a flash attention backward runs 5 [S, S] products to the forward's 2: 2.5x, not 2x
+
+# The LM head as the fp32-accurate tensor-core kernel executes it, in bf16 GEMM-equivalents of 2 T V D:
+# the fp32 hidden state split into three bf16 parts (exact: the products with the bf16 weight are exact
+# and accumulate in fp32), so one fp32-accurate product costs 3. Forward 3; backward 11 = dh (fp32): the
+# logits recomputed (3) then G W with G split in three (3); dW (bf16, so 2^-16-accurate sums suffice):
+# the logits from two hidden parts (2) then G^T h with two parts of each, first-order terms (3). This is
+# how zrl/moepp/kernels/lm_logprobs/triton_kernel.py runs it (its README, "Precision").
+LM_HEAD_SPLIT_DOTS = (3, 11)
+
+
+def lm_head_split_work(s: Shape, tokens: int, act: int, dots: tuple[int, int] = LM_HEAD_SPLIT_DOTS) -> Work:
+    """The LM head + log-softmax gather as executed with `dots` = (forward, backward) bf16 GEMM-equivalents
+    of 2 T V D FLOPs each (LM_HEAD_SPLIT_DOTS). Bytes (streamed over the vocabulary, no [T, V] in
+    memory; the tiles' re-reads through L2 left out): forward hidden T D 4, weight V D a, targets and
+    log-probs 12 T; backward two passes reading hidden and weight, dh written T D 4, dW accumulated in
+    fp32 V D 4 and cast V D (4 + a), targets, lse and dlogprob 16 T."""
+    gemm, vd, td = 2.0 * tokens * s.V * s.D, s.V * s.D, tokens * s.D
+    return Work(flops_fwd=dots[0] * gemm, flops_bwd=dots[1] * gemm, bytes_fwd=float(td * 4 + vd * act + 12 * tokens),
+                bytes_bwd=float(2 * (td * 4 + vd * act) + td * 4 + vd * (8 + act) + 16 * tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOp:
+    """One op's share of a training step (all its calls): FLOPs and bytes as executed (recomputation
+    included), the useful FLOPs that MFU counts, and which units its FLOPs run on."""
+    name: str
+    calls: int
+    flops: float
+    bytes: float
+    model_flops: float
+    tensor_cores: bool  # bf16 tensor cores; False: fp32 CUDA cores (elementwise, norms, fp32 convolutions)
+
+
+def model_step_flops(s: Shape, layers: int, doc_lens: Sequence[int], routed: Sequence[int]) -> float:
+    """Useful FLOPs of one training step (forward + backward = 3x the forward): `layers` x layer_flops with
+    `routed[i]` tokens routed to an expert in layer i, plus the LM head 2 T V D (one GEMM, whatever
+    precision trick executes it). Recomputation (activation checkpointing, a split LM head) is not counted."""
+    if len(routed) != layers:
+        raise ValueError(f"need one routed count per layer ({layers}), got {len(routed)}")
+    t = sum(doc_lens)
+    forward = sum(layer_flops(s, doc_lens, n).flops_fwd for n in routed) + 2.0 * t * s.V * s.D
+    return 3.0 * forward
+
+
+def optimizer_shapes(config: MoEPPConfig) -> tuple[list[tuple[int, ...]], int]:
+    """(shapes of the Muon matrices, number of AdamW parameters) of the model built from `config`
+    (on the meta device: no memory), grouped as the trainer groups them."""
+    from zrl.moepp import MoEPPForCausalLM, optimizer_param_groups
+
+    with torch.device("meta"):
+        groups = optimizer_param_groups(MoEPPForCausalLM(config))
+    return ([tuple(p.shape) for p in groups["muon"].values()], sum(p.numel() for p in groups["adamw"].values()))
+
+
+def training_step_ops(s: Shape, layers: int, doc_lens: Sequence[int], routed: int, *, act: int = 2,
+                      checkpointing: bool = True, lm_head_dots: tuple[int, int] = LM_HEAD_SPLIT_DOTS,
+                      optimizer: tuple[Sequence[tuple[int, ...]], int] | None = None) -> list[StepOp]:
+    """Every op of one trainer step on one microbatch of `doc_lens` documents, `routed` tokens routed to an
+    expert in each layer, parameters gathered in the compute dtype (a = `act` bytes).
+
+    Per layer: input RMSNorm, q/k/v projections (one GEMM of (Hq + 2 Hk) d outputs), CCA, attention,
+    o projection, residual add + RMSNorm, router down-projection, router head, experts, residual add
+    (counted as residual_norm_work, whose normed output it does not write). `checkpointing`: each layer's
+    forward runs again in the backward. Outside the layers: embedding gather (and its gradient's scatter),
+    final RMSNorm, the LM head as executed (`lm_head_dots`), and with `optimizer` = optimizer_shapes(...)
+    Muon (Newton-Schulz FLOPs in bf16; momentum-free as ZAYA1 trains: gradient read, fp32 master read
+    and written, 12 B per parameter; Newton-Schulz's own reads and writes ~4 a per parameter and
+    iteration), AdamW (p, g, m, v read, p, m, v written, the clipping norm's read: 32 B per parameter)
+    and the FSDP2 casts at world
+    size 1 (the fp32 shards cast to the compute dtype for the forward and again for the backward, the
+    gradients to fp32: 3 (4 + a) B per parameter).
+    """
+    from zrl.optim import NS_STEPS, ns_flops
+
+    t = sum(doc_lens)
+    runs = 2 if checkpointing else 1
+    layer_ops = (  # name, useful work, tensor cores, executed / useful backward FLOPs
+        ("input_norm", rms_norm_work(s, t, act), False, 1.0),
+        ("qkv_proj", gemm_work(t, (s.Hq + 2 * s.Hk) * s.d, s.D, act), True, 1.0),
+        ("cca", cca_work(s, t, act), False, 1.0),
+        ("attention", attention_work(s, doc_lens, act), True, FLASH_BWD_EXECUTED),
+        ("o_proj", gemm_work(t, s.D, s.Hq * s.d, act), True, 1.0),
+        ("residual_norm", residual_norm_work(s, t, act), False, 1.0),
+        ("router_down", gemm_work(t, s.R, s.D, act), True, 1.0),
+        ("router", router_work(s, t, act), True, 1.0),
+        ("experts", experts_work(s, t, routed, act), True, 1.0),
+        ("residual_add", residual_norm_work(s, t, act), False, 1.0),
+    )
+    ops = [StepOp(name, layers, layers * (runs * w.flops_fwd + bwd * w.flops_bwd),
+                  layers * (runs * w.bytes_fwd + w.bytes_bwd), layers * (w.flops_fwd + w.flops_bwd), tc)
+           for name, w, tc, bwd in layer_ops]
+    embed = Work(0.0, 0.0, float(t * s.D * (act + 4) + 8 * t), float(t * s.D * (4 + 2 * act) + 8 * t))
+    norm, head = rms_norm_work(s, t, act), lm_head_split_work(s, t, act, lm_head_dots)
+    useful_head = lm_logprobs_work(s, t, act)
+    ops += [StepOp("embedding", 1, 0.0, embed.bytes("fwd+bwd"), 0.0, False),
+            StepOp("final_norm", 1, norm.flops("fwd+bwd"), norm.bytes("fwd+bwd"), norm.flops("fwd+bwd"), False),
+            StepOp("lm_head", 1, head.flops("fwd+bwd"), head.bytes("fwd+bwd"), useful_head.flops("fwd+bwd"), True)]
+    if optimizer is not None:
+        muon_shapes, adamw_numel = optimizer
+        muon_numel = sum(math.prod(shape) for shape in muon_shapes)
+        every = muon_numel + adamw_numel
+        ops += [StepOp("muon", 1, float(sum(ns_flops(shape) for shape in muon_shapes)),
+                       float(muon_numel * (12 + NS_STEPS * 4 * act)), 0.0, True),
+                StepOp("adamw", 1, 12.0 * adamw_numel, 32.0 * adamw_numel, 0.0, False),
+                StepOp("fsdp_casts", 1, 0.0, 3.0 * every * (4 + act), 0.0, False)]
+    return ops
 
 
 def device_peaks(name: str) -> tuple[float, float, float] | None:

@@ -73,7 +73,7 @@ def heavy_tailed_batch(model_config, args, trainer_step: int, seed: int):
 
 def padded(mb: Microbatch, width: int) -> Microbatch:
     """Each document of `mb` extended to `width` tokens with masked pad tokens (pad id 0, no target)."""
-    bounds = mb.cu_seqlens.tolist()
+    bounds = list(mb.cu_seqlens)
     pieces = {k: [] for k in ("input_ids", "targets", "loss_mask", "seq_idx", "behaviour_logprobs", "advantages",
                               "versions", "routing")}
     fill = {"input_ids": 0, "targets": -1, "loss_mask": False, "seq_idx": -1, "behaviour_logprobs": 0.0,

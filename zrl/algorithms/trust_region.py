@@ -127,7 +127,7 @@ def _stats(lp: torch.Tensor, lq: torch.Tensor, adv: torch.Tensor, valid: torch.T
             torch.where(valid, is_weight, 0).sum().to(f),
             (valid & capped).sum().to(f),
         ])
-        inf = torch.tensor(math.inf, dtype=f, device=lp.device)
+        inf = torch.full((), math.inf, dtype=f, device=lp.device)  # filled on the device: no host copy
         w = is_weight.to(f)
         return TrustRegionStats(sums=sums,
                                 max_is_weight=torch.where(valid, w, -inf).max() if w.numel() else -inf,

@@ -41,16 +41,20 @@ def mismatch_sums(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tens
         raise ValueError(f"shapes differ: {tuple(trainer_logprobs.shape)} vs {tuple(behaviour_logprobs.shape)}")
     lp = trainer_logprobs.detach().to(torch.float64).reshape(-1)
     lq = behaviour_logprobs.detach().to(torch.float64).reshape(-1)
-    if loss_mask is not None:
-        if loss_mask.shape != trainer_logprobs.shape:
-            raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != {tuple(trainer_logprobs.shape)}")
+    if loss_mask is None:
+        keep = torch.ones_like(lp, dtype=torch.bool)
+    elif loss_mask.shape != trainer_logprobs.shape:
+        raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != {tuple(trainer_logprobs.shape)}")
+    else:
         keep = loss_mask.reshape(-1).to(torch.bool)
-        lp, lq = lp[keep], lq[keep]
-    p, q = lp.exp(), lq.exp()
+    # Masked by zeroing, not by boolean indexing (whose output size a GPU must read back to the host):
+    # a dropped token has lp = lq = 0 and p = q = 0, so it adds 0 to every sum and to the max.
+    lp, lq = torch.where(keep, lp, 0.0), torch.where(keep, lq, 0.0)
+    p, q = torch.where(keep, lp.exp(), 0.0), torch.where(keep, lq.exp(), 0.0)
     log_ratio = lp - lq  # log ρ
     abs_diff = (p - q).abs()
     return torch.stack([
-        torch.tensor(float(lp.numel()), dtype=torch.float64, device=lp.device),
+        keep.sum().to(torch.float64),
         (-log_ratio).sum(), (log_ratio.exp() - 1.0 - log_ratio).sum(), abs_diff.sum(),
         p.sum(), q.sum(), (p * p).sum(), (q * q).sum(), (p * q).sum(), ((p - q) ** 2).sum(),
         lp.sum(), lq.sum(), (lp * lp).sum(), (lq * lq).sum(), (lp * lq).sum(), ((lp - lq) ** 2).sum(),

@@ -38,8 +38,9 @@ class ModelSpec(Strict):
         False, description="build the tiny CPU checkpoint and tokenizer at `path` when it does not exist")
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     kernels: Literal["auto", "triton", "reference"] = Field(
-        "auto", description="trainer kernels (zrl/moepp/kernels): auto = fused Triton kernels on CUDA, "
-                            "PyTorch references otherwise; triton/reference force one")
+        "auto", description="trainer kernels (zrl/moepp/kernels): auto = per op the fastest measured on CUDA "
+                            "(Triton kernel, library op or PyTorch reference), the references otherwise; "
+                            "triton/reference force one")
 
 
 class Resources(Strict):
@@ -51,7 +52,15 @@ class Resources(Strict):
     gpus_per_trainer_worker: float = Field(0.0, ge=0)
     trainer_microbatch_tokens: int = Field(
         131072, ge=2, description="packed tokens per trainer microbatch (raised to fit the longest sequence)")
-    activation_checkpointing: bool = Field(True, description="recompute each decoder layer in backward")
+    activation_checkpointing: bool = Field(
+        True, description="recompute decoder layers in backward (which, and how much of each: the two fields below)")
+    activation_checkpointing_every_layers: int = Field(
+        1, ge=1, description="with activation_checkpointing: checkpoint layers 0, k, 2k, ... (k = this value); the "
+                             "others keep all their activations (more memory, less recomputation)")
+    activation_checkpointing_selective: bool = Field(
+        False, description="with activation_checkpointing: a checkpointed layer also keeps the outputs of its matrix "
+                           "multiplies and attention, so backward recomputes only the elementwise ops between them "
+                           "(no GEMM runs twice, for the memory of those outputs)")
     activation_offload: bool = Field(
         False, description="keep the activations autograd saves for backward in host memory until backward needs "
                            "them (accelerators only; nothing to offload to on CPU)")

@@ -5,9 +5,10 @@ first, then up rows) and `down_proj` [E, D, F]. Expert e maps x [D] to
   down_e (silu(gate_e x) * up_e x)        and the MoE output is gate_weight * that;
 a token routed to the skip class (id E) gets a zero output and costs nothing.
 
-The math lives in zrl/moepp/kernels/experts/ (`moe_experts`): grouped-GEMM Triton kernels on CUDA
-(no host synchronisation), the pure-PyTorch reference elsewhere or when forced (ZRL_KERNELS); both
-read the parameters in this layout, so the checkpoint never depends on the backend.
+The math lives in zrl/moepp/kernels/experts/ (`moe_experts`): on CUDA `torch._grouped_mm` (no host
+synchronisation; the grouped-GEMM Triton kernels when forced), the pure-PyTorch reference elsewhere or
+when forced (ZRL_KERNELS); all read the parameters in this layout, so the checkpoint never depends on
+the backend.
 """
 
 from __future__ import annotations

@@ -136,7 +136,9 @@ def filtered_out(z: torch.Tensor, sampling: SamplingDistribution) -> torch.Tenso
         dropped |= survivors < survivors.topk(sampling.top_k, dim=-1).values[:, -1:]
     if sampling.top_p < 1:
         ascending, order = z.masked_fill(dropped, float("-inf")).sort(dim=-1)
-        one_minus_p = 1 - torch.tensor(sampling.top_p, dtype=torch.float32, device=z.device)  # vLLM: fp32
+        # vLLM computes 1 - p in fp32; `full` fills on the device (torch.tensor(p, device=...) would be a
+        # blocking host-to-device copy)
+        one_minus_p = 1 - torch.full((), sampling.top_p, dtype=torch.float32, device=z.device)
         tail = ascending.softmax(dim=-1).cumsum(dim=-1) <= one_minus_p
         tail[:, -1] = False  # the most probable token always survives
         dropped |= torch.zeros_like(tail).scatter_(-1, order, tail)

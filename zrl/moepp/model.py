@@ -19,11 +19,11 @@ recomputation can never route differently from the pass whose activations it rep
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from zrl.moepp.attention import CCAttention, QKNorm, rope_cos_sin
 from zrl.moepp.blocks import ResidualScaling, RMSNorm
@@ -34,6 +34,7 @@ from zrl.moepp.packing import PackedLayout, build_layout
 from zrl.moepp.precision import Fp32Op, to_op_dtype
 from zrl.moepp.router import RouterOutput, ZayaRouter
 from zrl.moepp.routing import RoutingInfo, collect_routing, validate_replay
+from zrl.types import NO_ROUTE
 
 
 class DecoderLayer(nn.Module):
@@ -85,6 +86,7 @@ class MoEPPForCausalLM(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self._checkpointed: frozenset[int] = frozenset()
+        self._checkpoint_context_fn: Callable = noop_context_fn
         self.reset_parameters()
 
     # ------------------------------------------------------------------ set-up
@@ -107,8 +109,13 @@ class MoEPPForCausalLM(nn.Module):
         nn.init.ones_(self.input_hidden_states_scale)
         nn.init.zeros_(self.input_hidden_states_bias)
 
-    def set_activation_checkpointing(self, layers: bool | Iterable[int]) -> None:
-        """Checkpoint (non-reentrant) all layers (True), none (False), or the given layer indices."""
+    def set_activation_checkpointing(self, layers: bool | Iterable[int], *,
+                                     context_fn: Callable | None = None) -> None:
+        """Checkpoint (non-reentrant) all layers (True), none (False), or the given layer indices.
+
+        `context_fn`: torch.utils.checkpoint's, e.g. a selective policy (zrl.trainer.activations); None = full.
+        """
+        self._checkpoint_context_fn = context_fn or noop_context_fn
         if isinstance(layers, bool):
             self._checkpointed = frozenset(range(len(self.layers))) if layers else frozenset()
         else:
@@ -128,16 +135,17 @@ class MoEPPForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         *,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
         position_ids: torch.Tensor | None = None,
         routing_replay: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, RoutingInfo]:
         """Final-normed hidden states [T, D] fp32 (T = all tokens, [B, S] inputs flattened) + routing.
 
         input_ids: [T] packed stream or [B, S]. cu_seqlens: [N + 1] document boundaries of the
-        flattened stream. position_ids: same shape as input_ids; boundaries are derived from their
-        restarts when cu_seqlens is absent. routing_replay: [T, L] (or [B, S, L]) recorded expert ids,
-        255 = no record.
+        flattened stream, as Python ints (no host synchronisation) or a tensor (read to the host once).
+        position_ids: same shape as input_ids; boundaries are derived from their restarts when
+        cu_seqlens is absent. routing_replay: [T, L] (or [B, S, L]) recorded expert ids, 255 = no
+        record; its ids are asserted on the device, without a host read (routing.validate_replay).
         """
         if input_ids.dim() not in (1, 2):
             raise ValueError(f"input_ids must be [T] or [B, S], got shape {tuple(input_ids.shape)}")
@@ -162,7 +170,8 @@ class MoEPPForCausalLM(nn.Module):
         for layer_idx, layer in enumerate(self.layers):
             layer_replay = None if replay is None else replay[:, layer_idx]
             if layer_idx in self._checkpointed and torch.is_grad_enabled():
-                x, routing = _checkpointed_layer(layer, x, router_state, layout, rope, layer_replay)
+                x, routing = _checkpointed_layer(layer, x, router_state, layout, rope, layer_replay,
+                                                 self._checkpoint_context_fn)
             else:
                 x, routing = layer(x, router_state, layout, rope, layer_replay)
             router_state = routing.state
@@ -174,7 +183,7 @@ class MoEPPForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         *,
         targets: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
         position_ids: torch.Tensor | None = None,
         routing_replay: torch.Tensor | None = None,
         with_entropy: bool = False,
@@ -201,7 +210,7 @@ class MoEPPForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         targets: torch.Tensor,
         *,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
         position_ids: torch.Tensor | None = None,
         routing_replay: torch.Tensor | None = None,
         with_entropy: bool = False,
@@ -234,7 +243,7 @@ def _shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 def _checkpointed_layer(layer: DecoderLayer, x: torch.Tensor, router_state: torch.Tensor | None,
                         layout: PackedLayout, rope: tuple[torch.Tensor, torch.Tensor],
-                        replay: torch.Tensor | None) -> tuple[torch.Tensor, RouterOutput]:
+                        replay: torch.Tensor | None, context_fn: Callable) -> tuple[torch.Tensor, RouterOutput]:
     """Run `layer` under non-reentrant checkpointing with its expert choices pinned for recomputation.
 
     The first (forward) call stores the ids it used; the recomputation in backward replays exactly
@@ -242,10 +251,14 @@ def _checkpointed_layer(layer: DecoderLayer, x: torch.Tensor, router_state: torc
     by a rounding step (different kernels, changed balancing biases).
     """
     pinned: dict[str, torch.Tensor] = {}
+    if replay is None and context_fn is not noop_context_fn:
+        # An all-NO_ROUTE record routes natively; with it both passes take the replay branch and so
+        # dispatch the same ops in the same order, which selective checkpointing (context_fn) requires.
+        replay = torch.full((x.shape[0],), NO_ROUTE, dtype=torch.int64, device=x.device)
 
     def run(x_in: torch.Tensor, state_in: torch.Tensor | None) -> tuple[torch.Tensor, RouterOutput]:
         out, routing = layer(x_in, state_in, layout, rope, pinned.get("chosen", replay))
         pinned.setdefault("chosen", routing.chosen.detach())
         return out, routing
 
-    return checkpoint(run, x, router_state, use_reentrant=False)
+    return checkpoint(run, x, router_state, use_reentrant=False, context_fn=context_fn)

@@ -44,7 +44,9 @@ def collect_routing(outputs: Sequence[RouterOutput], replay: torch.Tensor | None
     """Stack per-layer router outputs; `replay` is the [T, L] int64 record used (or None)."""
     native = torch.stack([o.native for o in outputs], dim=1)  # [T, L]
     chosen = torch.stack([o.chosen for o in outputs], dim=1)  # [T, L]
-    counts = torch.stack([torch.bincount(o.chosen, minlength=num_classes) for o in outputs])  # [L, E + 1]
+    # [L, E + 1] by scatter_add: on CUDA, bincount reads the largest id back to size its output
+    counts = torch.zeros(chosen.shape[1], num_classes, dtype=torch.int64, device=chosen.device)
+    counts.scatter_add_(1, chosen.t(), torch.ones_like(chosen.t()))
     disagree = recorded = missing = None
     if replay is not None:
         has_record = replay != NO_ROUTE  # [T, L]
@@ -65,9 +67,15 @@ def validate_replay(replay: torch.Tensor, num_tokens: int, num_layers: int, num_
         raise ValueError(f"routing_replay must be [T, L] = [{num_tokens}, {num_layers}], got {tuple(replay.shape)}")
     replay = replay.to(torch.int64)
     bad = ((replay < 0) | (replay > num_experts)) & (replay != NO_ROUTE)
-    if bool(bad.any()):
-        raise ValueError(f"routing_replay ids must be in [0, {num_experts}] (skip = {num_experts}) or "
-                         f"NO_ROUTE = {NO_ROUTE}; found {replay[bad][0].item()}")
+    message = (f"routing_replay ids must be in [0, {num_experts}] (skip = {num_experts}) or "
+               f"NO_ROUTE = {NO_ROUTE}")
+    # Asserted on the device, not read back: a host read here would stall every forward until the GPU
+    # drains. On the CPU it raises at once; on CUDA a bad id fails a device-side assertion at the next
+    # synchronisation (the trainer checks the ids on the host when it packs them, batch.pack_rollouts).
+    try:
+        torch._assert_async(~bad.any(), message)
+    except RuntimeError as error:
+        raise ValueError(f"{message}; found {replay[bad][0].item()}") from error
     return replay
 
 

@@ -156,6 +156,9 @@ def trainer_settings(recipe: Recipe, stage):
     return TrainerSettings.from_stage(stage, token_budget=budget, param_dtype=recipe.model.dtype,
                                       kernels=recipe.model.kernels,
                                       activation_checkpointing=recipe.resources.activation_checkpointing,
+                                      activation_checkpointing_every_layers=(
+                                          recipe.resources.activation_checkpointing_every_layers),
+                                      activation_checkpointing_selective=recipe.resources.activation_checkpointing_selective,
                                       activation_offload=recipe.resources.activation_offload,
                                       hsdp_replicas=recipe.resources.hsdp_replicas)
 

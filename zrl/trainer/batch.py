@@ -6,6 +6,9 @@ Layout of one sequence (prompt p_0..p_{Tp-1}, response y_0..y_{Tr-1}, full = p +
   loss_mask, behaviour logprobs, advantages, versions: set at positions Tp - 1 .. Tp + Tr - 2
   routing = rollout.routing[:Tp + Tr - 1]   ([Tp + Tr, L] recorded; its last row is never an input)
 Sequences are laid end to end in plan order with `cu_seqlens` boundaries; no padding anywhere.
+The boundaries stay on the host (Python ints, what the model's layout needs); the per-token tensors
+are copied to the device asynchronously (`copy_to_device`), so building a microbatch never waits
+for the GPU.
 
 The packing plan (zrl.trainer.packing) decides which rank and microbatch every sequence goes to; an RL
 rank receives only its own share of the batch (`RankShare`), an SFT rank plans from the same examples
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from zrl.moepp.packing import copy_to_device
 from zrl.trainer.packing import input_length
 from zrl.types import NO_ROUTE, Rollout
 
@@ -41,7 +45,7 @@ class Microbatch:
 
     input_ids: torch.Tensor  # [T] int64
     targets: torch.Tensor  # [T] int64, next token (-1 where none: the dummy's single token)
-    cu_seqlens: torch.Tensor  # [N + 1] int64
+    cu_seqlens: tuple[int, ...]  # [N + 1] document boundaries, on the host (the model's layout needs them there)
     loss_mask: torch.Tensor  # [T] bool, True where the target is a response token
     seq_idx: torch.Tensor  # [T] int64, the sequence's index in the batch (group-major order)
     behaviour_logprobs: torch.Tensor  # [T] fp32, 0 off the mask
@@ -97,8 +101,11 @@ def _response_values(layout, values) -> np.ndarray:
 
 
 def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, indices: Sequence[int], *,
-                  num_layers: int, replay: bool, device: torch.device) -> Microbatch:
-    """The microbatch of batch sequences `indices` (in that order). `advantages`: [N_seq] per rollout."""
+                  num_layers: int, replay: bool, device: torch.device, num_experts: int | None = None) -> Microbatch:
+    """The microbatch of batch sequences `indices` (in that order). `advantages`: [N_seq] per rollout.
+
+    With `num_experts`, the recorded expert ids are checked here, on the host, where it costs nothing
+    (ids in [0, E] or NO_ROUTE); the model only asserts it on the device."""
     if not indices:
         return dummy_microbatch(device, num_layers=num_layers if replay else None)
     pairs = [(r.prompt_ids, r.token_ids) for r in rollouts]
@@ -110,28 +117,35 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, indices: 
     versions[~mask] = -1  # prompt positions carry no version
 
     def tensor(array, dtype):
-        return torch.from_numpy(array).to(device=device, dtype=dtype)
+        return copy_to_device(torch.from_numpy(array).to(dtype), device)
 
     routing = None
     if replay:
-        rows = [_routing_rows(r, length, num_layers, i) for r, (_, length), i in zip(chosen, layout, indices)]
+        rows = [_routing_rows(r, length, num_layers, i, num_experts)
+                for r, (_, length), i in zip(chosen, layout, indices)]
         routing = tensor(np.concatenate(rows), torch.uint8)
     return Microbatch(
         input_ids=tensor(ids, torch.int64), targets=tensor(tgts, torch.int64),
-        cu_seqlens=torch.tensor(bounds, dtype=torch.int64, device=device),
-        loss_mask=tensor(mask, torch.bool), seq_idx=tensor(seq, torch.int64),
+        cu_seqlens=tuple(bounds), loss_mask=tensor(mask, torch.bool), seq_idx=tensor(seq, torch.int64),
         behaviour_logprobs=tensor(behaviour, torch.float32), advantages=tensor(adv, torch.float32),
         versions=tensor(versions, torch.int64), routing=routing, num_sequences=len(indices))
 
 
-def _routing_rows(rollout: Rollout, length: int, num_layers: int, index: int) -> np.ndarray:
+def _routing_rows(rollout: Rollout, length: int, num_layers: int, index: int,
+                  num_experts: int | None) -> np.ndarray:
     """[length, L] uint8 recorded ids of the input tokens; all 255 when the rollout has no record."""
     if rollout.routing is None:
         return np.full((length, num_layers), NO_ROUTE, dtype=np.uint8)
     if rollout.routing.ndim != 2 or rollout.routing.shape[1] != num_layers:
         raise ValueError(f"rollout {index}: routing has shape {rollout.routing.shape}, the model has "
                          f"{num_layers} MoE layers")
-    return np.asarray(rollout.routing[:length], dtype=np.uint8)
+    rows = np.asarray(rollout.routing[:length])
+    if num_experts is not None:
+        bad = ((rows < 0) | (rows > num_experts)) & (rows != NO_ROUTE)
+        if bad.any():
+            raise ValueError(f"rollout {index}: recorded expert id {rows[bad][0]} is outside [0, {num_experts}] "
+                             f"(skip = {num_experts}) and is not NO_ROUTE = {NO_ROUTE}")
+    return rows.astype(np.uint8)
 
 
 def pack_sft(examples: Sequence[SFTExample], indices: Sequence[int], *, device: torch.device) -> Microbatch:
@@ -141,11 +155,10 @@ def pack_sft(examples: Sequence[SFTExample], indices: Sequence[int], *, device: 
     pairs = [(e.prompt_ids, e.token_ids) for e in examples]
     (ids, tgts, mask, seq), bounds, _ = _pack_tokens(pairs, indices, "SFT example {i} has no target tokens and cannot be packed")
     total = bounds[-1]
-    mask_t = torch.from_numpy(mask).to(device)
+    mask_t = copy_to_device(torch.from_numpy(mask), device)
     return Microbatch(
-        input_ids=torch.from_numpy(ids).to(device), targets=torch.from_numpy(tgts).to(device),
-        cu_seqlens=torch.tensor(bounds, dtype=torch.int64, device=device),
-        loss_mask=mask_t, seq_idx=torch.from_numpy(seq).to(device),
+        input_ids=copy_to_device(torch.from_numpy(ids), device), targets=copy_to_device(torch.from_numpy(tgts), device),
+        cu_seqlens=tuple(bounds), loss_mask=mask_t, seq_idx=copy_to_device(torch.from_numpy(seq), device),
         behaviour_logprobs=torch.zeros(total, device=device), advantages=mask_t.float(),
         versions=torch.full((total,), -1, dtype=torch.int64, device=device), routing=None,
         num_sequences=len(indices))
@@ -156,7 +169,7 @@ def dummy_microbatch(device: torch.device, num_layers: int | None = None) -> Mic
     one = torch.ones(1, dtype=torch.int64, device=device)
     return Microbatch(
         input_ids=torch.zeros(1, dtype=torch.int64, device=device), targets=-one,
-        cu_seqlens=torch.tensor([0, 1], dtype=torch.int64, device=device),
+        cu_seqlens=(0, 1),
         loss_mask=torch.zeros(1, dtype=torch.bool, device=device), seq_idx=-one,
         behaviour_logprobs=torch.zeros(1, device=device), advantages=torch.zeros(1, device=device),
         versions=-one,

@@ -10,9 +10,14 @@ Invariants:
   the trainer back-propagates is already normalised by GLOBAL counts (docs/algorithms.md §4), so the sum
   over microbatches and ranks is the global-batch gradient itself. The default FSDP2 average would
   shrink it by the data-parallel size.
-- Parameters that get no gradient on a rank (an expert no local token was routed to, a layer where
-  every token took the skip class) are reduce-scattered as zeros, so every rank joins the same
-  collectives whatever its tokens routed to.
+- Parameters that get no gradient on a rank (in a layer where every local token took the skip class,
+  the reference experts op never touches the experts, and the router and the norm feeding them
+  contribute nothing) are reduce-scattered as zeros, so every rank joins the same collectives
+  whatever its tokens routed to. FSDP2 reduce-scatters only the parameters that have a gradient:
+  ranks that differ there would run collectives of different sizes (a hang, or a mismatch error).
+  Newer torch does it with `set_reduce_scatter_unused_params`; where that is missing (torch 2.11),
+  `_ZeroUnusedGrads` gives every parameter of a layer a gradient (zeros where autograd left none)
+  just before the layer's reduce-scatter.
 - Mixed precision: parameters are kept (sharded) in fp32 and all-gathered in `param_dtype`;
   gradients are reduced in fp32; forward inputs are not cast (the residual stream entering each
   layer stays fp32, zrl/moepp/README.md "FP32 op set").
@@ -134,4 +139,43 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype) ->
             # Sum, not average, over ranks (see the module docstring); pure SUM also works on gloo.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    model.set_reduce_scatter_unused_params(True)
+    # Unused parameters are reduce-scattered as zeros (module docstring): without that, two ranks whose
+    # tokens used different parameters reduce-scatter different tensors (measured on 2 gloo ranks: a
+    # "Received data size doesn't match expected size" abort). Only the decoder layers can leave a
+    # parameter unused (their MoE block); the root's embedding, norm and LM head are always used.
+    if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        model.set_reduce_scatter_unused_params(True)
+    else:
+        for layer in model.layers:
+            layer.register_forward_pre_hook(_zero_unused_grads_in_backward)
+
+
+def _zero_unused_grads_in_backward(layer: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook of a sharded layer: route its input through `_ZeroUnusedGrads`.
+
+    Registered after `fully_shard`, it runs after FSDP's own pre-forward hook, which routed the
+    input through the function whose backward reduce-scatters the layer's gradients; so in backward
+    `_ZeroUnusedGrads` runs first, once the layer's own backward is done.
+    """
+    x, *rest = args
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return args
+    return (_ZeroUnusedGrads.apply(x, layer), *rest)
+
+
+class _ZeroUnusedGrads(torch.autograd.Function):
+    """Identity on the layer input x [T, D]; its backward gives every parameter of the layer that
+    autograd left without a gradient a zero one, so FSDP2 reduce-scatters all of them. (A gradient
+    autograd delivered later anyway would be added to those zeros: the result is the same.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        ctx.layer = layer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        for param in ctx.layer.parameters():  # the unsharded parameters, gathered for backward
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+        return grad, None

@@ -127,7 +127,12 @@ class StepStats:
         mask = mb.loss_mask
         routing = out.routing
         self._add("loss", loss)
-        self._add("tokens", torch.tensor([mb.num_tokens, int(mask.sum()), mb.num_sequences]))
+        # [input tokens, loss tokens, sequences]. Host ints are added as kernel arguments (a host tensor
+        # would need a copy) and the loss-token count stays on the device (no host read).
+        tokens = self.sums["tokens"]
+        tokens[0] += mb.num_tokens
+        tokens[1] += mask.sum()
+        tokens[2] += mb.num_sequences
         self._add("logprob_sum", torch.where(mask, out.logprobs.detach(), 0.0).sum())
         if "entropy_sum" in self.sums:
             self._add("entropy_sum", torch.where(mask, out.entropy.detach(), 0.0).sum())

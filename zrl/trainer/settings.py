@@ -38,6 +38,9 @@ class TrainerSettings:
     param_dtype: str = _MODEL["dtype"].default
     kernels: str = _MODEL["kernels"].default  # zrl.moepp.kernels backend: auto, triton or reference
     activation_checkpointing: bool = _RESOURCES["activation_checkpointing"].default  # recompute each layer
+    # with checkpointing: every k-th layer (zrl.trainer.activations), and whether matmul outputs are kept
+    activation_checkpointing_every_layers: int = _RESOURCES["activation_checkpointing_every_layers"].default
+    activation_checkpointing_selective: bool = _RESOURCES["activation_checkpointing_selective"].default
     activation_offload: bool = _RESOURCES["activation_offload"].default  # saved layer inputs in host memory
     # > 1: 2-D mesh, shard within world_size / hsdp_replicas ranks, replicate across
     hsdp_replicas: int = _RESOURCES["hsdp_replicas"].default

@@ -7,7 +7,9 @@ One `train_step(share)`:
      token-budget packing plan: equal microbatch counts on all ranks; a rank with nothing left runs a
      1-token no-loss microbatch so the FSDP2 collectives still match);
   2. per microbatch: forward with router replay -> trust-region loss over GLOBAL counts -> backward
-     (gradients accumulate; FSDP2 reduce-scatters with SUM, see distributed.py);
+     (gradients accumulate; FSDP2 reduce-scatters with SUM, see distributed.py), without waiting for
+     the GPU: the step's one wait is at its end (phase times are CUDA events, statistics stay on the
+     device until then);
   3. AdamW-only clipping, Muon + AdamW step, LR schedule, optional router-bias balancing on the
      all-reduced global expert counts;
   4. two all-reduces turn the per-rank statistics into the global batch's metrics.
@@ -18,6 +20,7 @@ Everything collective (steps, checkpoints, exports) must be called on every rank
 
 from __future__ import annotations
 
+import collections
 import logging
 import resource
 import time
@@ -34,7 +37,7 @@ from zrl.moepp import kernels
 from zrl.moepp import BiasBalancer, MoEPPConfig, MoEPPForCausalLM, load_hf_checkpoint, optimizer_param_groups
 from zrl.optim import MuonAdamW, lr_scheduler
 from zrl.trainer import checkpoint as ckpt
-from zrl.trainer.activations import OffloadSavedTensors
+from zrl.trainer.activations import OffloadSavedTensors, configure_checkpointing
 from zrl.trainer.batch import SFTExample, pack_rollouts, pack_sft
 from zrl.trainer.distributed import Rendezvous, build_mesh, device_of_backend, init_process_group, shard_model
 from zrl.trainer.export import DEFAULT_BUCKET_BYTES, WeightBucket, export_hf_checkpoint, iter_weight_buckets
@@ -44,6 +47,46 @@ from zrl.trainer.packing import input_length, plan_rank, split_batch
 from zrl.types import RankShare, TrainBatch
 
 logger = logging.getLogger(__name__)
+
+
+class PhaseClock:
+    """Seconds spent per phase of a step (forward, backward, optimizer), summed over its laps.
+
+    On CUDA a mark is an event recorded on the current stream, and the times are read once, by
+    `seconds()` at the step's end: timing a phase by synchronising before and after it would stop
+    the host from queueing work ahead of the GPU three times per microbatch. On the CPU ops run
+    synchronously and a mark is the host clock.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._last = None
+        self._laps: dict[str, list] = {}
+
+    def _mark(self):
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        """Start timing (what ran since the last lap belongs to no phase)."""
+        self._last = self._mark()
+
+    def lap(self, phase: str) -> None:
+        """Add the time since the last mark to `phase`."""
+        now = self._mark()
+        self._laps.setdefault(phase, []).append((self._last, now))
+        self._last = now
+
+    def seconds(self) -> dict[str, float]:
+        """Each phase's total; on CUDA waits for the last mark (the step's one wait for the GPU)."""
+        if self._cuda and self._last is not None:
+            self._last.synchronize()
+        elapsed = ((lambda a, b: a.elapsed_time(b) / 1e3) if self._cuda else (lambda a, b: b - a))
+        return collections.defaultdict(float, {phase: sum(elapsed(a, b) for a, b in laps)
+                                               for phase, laps in self._laps.items()})
 
 
 class TrainerWorker:
@@ -70,7 +113,9 @@ class TrainerWorker:
         kernels.set_backend(self.settings.kernels)
         with torch.device("meta"):
             model = MoEPPForCausalLM(config)
-        model.set_activation_checkpointing(self.settings.activation_checkpointing)
+        configure_checkpointing(model, enabled=self.settings.activation_checkpointing,
+                                every_layers=self.settings.activation_checkpointing_every_layers,
+                                selective=self.settings.activation_checkpointing_selective)
         shard_model(model, self.mesh, self.settings.torch_param_dtype)
         model.to_empty(device=self.device)
         full = load_hf_checkpoint(self.model_path, dtype=torch.float32).state_dict() if self.rank == 0 else {}
@@ -95,7 +140,8 @@ class TrainerWorker:
         `keep_optimizer_state` carries the AdamW moments over (recipe `inherit.optimizer_state`).
         Sharding and memory settings cannot change without rebuilding the worker.
         """
-        fixed = ("param_dtype", "kernels", "hsdp_replicas", "activation_checkpointing")
+        fixed = ("param_dtype", "kernels", "hsdp_replicas", "activation_checkpointing",
+                 "activation_checkpointing_every_layers", "activation_checkpointing_selective")
         changed = [f for f in fixed if getattr(settings, f) != getattr(self.settings, f)]
         if changed:
             raise ValueError(f"{changed} cannot change between stages of one TrainerWorker")
@@ -120,7 +166,7 @@ class TrainerWorker:
 
         def build(indices):
             return pack_rollouts(share.rollouts, share.advantages, indices, num_layers=num_layers, replay=s.replay,
-                                 device=self.device)
+                                 device=self.device, num_experts=self.model.config.num_experts)
 
         def loss_fn(mb, stats):
             return rl_microbatch_loss(self.model, mb, objective, global_num_seqs=share.num_sequences,
@@ -170,25 +216,20 @@ class TrainerWorker:
         stats = StepStats(kind, num_layers=config.num_hidden_layers, num_classes=config.num_router_classes,
                           device=self.device, with_entropy=s.with_entropy, replay=kind == "rl" and s.replay)
         offload = OffloadSavedTensors() if s.activation_offload and self.device.type != "cpu" else None
-        forward_s = backward_s = 0.0
+        clock = PhaseClock(self.device)
         self.model.train()
         for indices in microbatches:
-            mb = build(indices)
-            t0 = self._now()
             with offload if offload is not None else nullcontext():
-                out = loss_fn(mb, stats)
-                t1 = self._now()
-                # The dummy's loss is 0 with a zero gradient; its backward only drives the collectives.
-                out.loss.backward()
-            forward_s += t1 - t0
-            backward_s += self._now() - t1
-        t0 = self._now()
+                self._microbatch(indices, build, loss_fn, stats, clock)
+        clock.start()
         norms = self.optimizer.clip_grad_norm_(s.optimizer.grad_clip_norm)
         lrs = {g["optimizer"]: g["lr"] for g in self.optimizer.param_groups}
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        optimizer_s = self._now() - t0
+        clock.lap("optimizer")
+        phases = clock.seconds()  # waits for the step's queued work, once
+        forward_s, backward_s, optimizer_s = phases["forward"], phases["backward"], phases["optimizer"]
         step_s = time.perf_counter() - start
         stats.maxes["perf"] = torch.tensor([step_s, forward_s, backward_s, optimizer_s, self._peak_memory_bytes()],
                                            dtype=torch.float64, device=self.device)
@@ -220,10 +261,18 @@ class TrainerWorker:
             metrics["routing/bias_balance_error_abs_max"] = float(bias_error.abs().max())
         return metrics
 
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # honest phase times: wait for queued kernels
-        return time.perf_counter()
+    def _microbatch(self, indices: list[int], build, loss_fn, stats: StepStats, clock: PhaseClock) -> None:
+        """Build one microbatch, then its forward (loss and statistics) and backward, timed on `clock`.
+
+        Nothing here waits for the GPU (tests/unit/trainer/test_host_syncs.py counts what would), so
+        the host queues the next kernels while the current ones run."""
+        mb = build(indices)
+        clock.start()
+        out = loss_fn(mb, stats)
+        clock.lap("forward")
+        # The dummy's loss is 0 with a zero gradient; its backward only drives the collectives.
+        out.loss.backward()
+        clock.lap("backward")
 
     def _reset_peak_memory(self) -> None:
         if self.device.type == "cuda":

@@ -34,7 +34,7 @@ def test_pack_two_rollouts_by_hand():
     # a first (plan order), then b
     assert mb.input_ids.tolist() == [5, 6, 7, 8, 11, 12, 13]
     assert mb.targets.tolist() == [6, 7, 8, 9, 12, 13, 14]
-    assert mb.cu_seqlens.tolist() == [0, 4, 7]
+    assert mb.cu_seqlens == (0, 4, 7)
     assert mb.loss_mask.tolist() == [False, False, True, True, True, True, True]
     assert mb.seq_idx.tolist() == [1, 1, 1, 1, 0, 0, 0]
     assert mb.behaviour_logprobs.tolist() == pytest.approx([0, 0, -0.5, -1.5, -0.1, -0.2, -0.3])
@@ -84,5 +84,5 @@ def test_pack_sft():
     assert mb.input_ids.tolist() == [6, 1, 2, 3, 4]
     assert mb.targets.tolist() == [7, 2, 3, 4, 5]
     assert mb.loss_mask.tolist() == [True, False, True, True, True]
-    assert mb.cu_seqlens.tolist() == [0, 1, 5] and mb.routing is None
+    assert mb.cu_seqlens == (0, 1, 5) and mb.routing is None
     assert pack_sft(ex, [], device=CPU).is_dummy

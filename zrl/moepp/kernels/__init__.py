@@ -1,16 +1,18 @@
-"""Fused kernels of the MoE++ model and the switch that picks them.
+"""Fused kernels of the MoE++ model and the switch that picks, per op, what runs.
 
 Each kernel has its own folder here: `reference.py` (pure PyTorch, any device, the definition of
 the result), `triton_kernel.py` (the fused Triton version, forward and backward), a parity test and a
 README with shapes and tolerances. The folder's `__init__.py` exposes one function that dispatches
-between the two; model code calls only that function, so the checkpoint layout never depends on
-which backend ran.
+through `resolve(op, x)`; model code calls only that function, so the checkpoint layout never depends
+on which implementation ran.
 
 Backends:
   "reference"  pure PyTorch everywhere.
-  "triton"     the Triton kernels. On CUDA tensors; on CPU tensors only under Triton's interpreter
-               (TRITON_INTERPRET=1 set before the kernels are imported; the parity tests use it).
-  "auto"       (default) "triton" for CUDA tensors when Triton is importable, else "reference".
+  "triton"     the Triton kernels of every op. On CUDA tensors; on CPU tensors only under Triton's
+               interpreter (TRITON_INTERPRET=1 set before the kernels are imported; the parity tests
+               use it). For benchmarks and tests of the kernels.
+  "auto"       (default) on CUDA, per op what AUTO_ON_CUDA names: the fastest measured of the Triton
+               kernel, a library op and the reference; the reference on any other device.
 The process-wide choice comes from the ZRL_KERNELS environment variable or `set_backend`;
 `use_backend` scopes it (tests, benchmarks).
 """
@@ -28,6 +30,20 @@ import torch
 BACKENDS = ("auto", "triton", "reference")
 _ENV = "ZRL_KERNELS"
 _chosen: str | None = None  # set_backend's value; None = read the environment
+
+# What "auto" runs for CUDA tensors, per op, from fwd+bwd timings on one H200 (torch 2.11, Triton
+# 3.6; the op's README, "Choice on CUDA", has the figures). "library" = the op's library formulation
+# (experts: torch._grouped_mm) where the op's inputs suit it, else the reference.
+AUTO_ON_CUDA = {
+    "experts": "library",  # grouped_mm 5.0 / 16.8 ms vs Triton 7.4 / 25.3 ms at 16k / 64k tokens
+    "cca": "reference",  # reference 2.1 / 6.9 ms vs Triton 3.3 / 15.0 ms (fwd / fwd+bwd, 16k tokens)
+    # Measured before its move onto tensor cores: Triton 1,621 / 8,263 ms vs reference 387 / 1,563 ms
+    # (fwd / fwd+bwd, V 262,272, 16k tokens). Kept on Triton for the tensor-core kernel: re-measure.
+    "lm_logprobs": "triton",
+    "router": "triton",  # not yet timed on a GPU: nothing shows it losing
+    "residual_norm": "triton",  # not yet timed on a GPU: nothing shows it losing
+}
+CHOICES = ("triton", "library", "reference")
 
 
 def _check(name: str) -> str:
@@ -67,17 +83,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Resolve the backend for an op whose main input is `x`; raises when "triton" cannot run on it."""
+def resolve(op: str, x: torch.Tensor) -> str:
+    """What op `op` (a key of AUTO_ON_CUDA) runs on its main input `x`: one of CHOICES. Raises when the
+    backend is forced to "triton" and Triton cannot run on `x`."""
+    if op not in AUTO_ON_CUDA:
+        raise ValueError(f"unknown kernel op {op!r}; ops: {', '.join(AUTO_ON_CUDA)}")
     backend = get_backend()
     if backend == "reference":
-        return False
-    runnable = triton_available() and (x.is_cuda or (x.device.type == "cpu" and interpreting()))
-    if backend == "auto":
-        return runnable and x.is_cuda
-    if not runnable:
-        raise RuntimeError(
-            f"kernel backend 'triton' cannot run on a {x.device.type} tensor here (Triton "
-            f"{'installed' if triton_available() else 'missing'}; CPU needs TRITON_INTERPRET=1); "
-            f"set {_ENV}=reference or auto")
-    return True
+        return "reference"
+    if backend == "triton":
+        if not (triton_available() and (x.is_cuda or (x.device.type == "cpu" and interpreting()))):
+            raise RuntimeError(
+                f"kernel backend 'triton' cannot run on a {x.device.type} tensor here (Triton "
+                f"{'installed' if triton_available() else 'missing'}; CPU needs TRITON_INTERPRET=1); "
+                f"set {_ENV}=reference or auto")
+        return "triton"
+    if not x.is_cuda:  # auto never picks the interpreter
+        return "reference"
+    choice = AUTO_ON_CUDA[op]
+    return "reference" if choice == "triton" and not triton_available() else choice
+
+
+def use_triton(x: torch.Tensor, op: str) -> bool:
+    """Whether op `op` runs its Triton kernels on `x` (see `resolve`)."""
+    return resolve(op, x) == "triton"

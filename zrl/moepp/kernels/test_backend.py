@@ -1,10 +1,13 @@
-"""The backend switch: names, precedence (set_backend over ZRL_KERNELS), resolution per tensor."""
+"""The backend switch: names, precedence (set_backend over ZRL_KERNELS), per-op resolution per tensor."""
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from zrl.moepp import kernels
-from zrl.moepp.kernels import get_backend, set_backend, use_backend, use_triton
+from zrl.moepp.kernels import (AUTO_ON_CUDA, CHOICES, get_backend, resolve, set_backend, use_backend,
+                               use_triton)
 
 
 @pytest.fixture(autouse=True)
@@ -34,23 +37,39 @@ def test_unknown_names_are_rejected(monkeypatch):
     monkeypatch.setenv("ZRL_KERNELS", "cuda")
     with pytest.raises(ValueError, match="'cuda'"):
         get_backend()
+    with pytest.raises(ValueError, match="unknown kernel op 'expert'; ops: experts, cca"):
+        resolve("expert", torch.zeros(2))
 
 
-def test_resolution_on_cpu(monkeypatch):
+def test_auto_table_names_every_kernel_folder():
+    folders = {p.parent.name for p in Path(kernels.__file__).parent.glob("*/triton_kernel.py")}
+    assert set(AUTO_ON_CUDA) == folders
+    assert set(AUTO_ON_CUDA.values()) <= set(CHOICES)
+
+
+@pytest.mark.parametrize("op", list(AUTO_ON_CUDA))
+def test_resolution_on_cpu(monkeypatch, op):
     x = torch.zeros(2)
     with use_backend("reference"):
-        assert not use_triton(x)
+        assert resolve(op, x) == "reference"
     with use_backend("auto"):
-        assert not use_triton(x)  # auto never picks the interpreter
+        assert resolve(op, x) == "reference"  # auto never picks the interpreter, nor a library op on CPU
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with use_backend("triton"):
-        assert use_triton(x) == kernels.triton_available()
+    if kernels.triton_available():
+        with use_backend("triton"):
+            assert resolve(op, x) == "triton" and use_triton(x, op)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with use_backend("triton"), pytest.raises(RuntimeError, match="CPU needs TRITON_INTERPRET=1"):
-        use_triton(x)
+        resolve(op, x)
 
 
 @pytest.mark.gpu
-def test_auto_picks_triton_on_cuda():
-    with use_backend("auto"):
-        assert use_triton(torch.zeros(2, device="cuda")) == kernels.triton_available()
+@pytest.mark.parametrize("op", list(AUTO_ON_CUDA))
+def test_resolution_on_cuda(op):
+    x = torch.zeros(2, device="cuda")
+    auto = AUTO_ON_CUDA[op]
+    if auto == "triton" and not kernels.triton_available():
+        auto = "reference"
+    for backend, expected in (("auto", auto), ("reference", "reference"), ("triton", "triton")):
+        with use_backend(backend):
+            assert resolve(op, x) == expected, backend

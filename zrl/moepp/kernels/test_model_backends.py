@@ -1,4 +1,5 @@
-"""The whole model on the Triton backend (every kernel at once) against the reference backend.
+"""The whole model on the Triton backend (every kernel at once) against the reference backend, and
+every op's dispatch under its own name in the backend switch.
 
 A tiny MoE++ model in fp32 with randomised norms/scales/biases, two activation-checkpointed layers,
 a packed stream of ragged documents (one shorter than the CCA convolution history), skip-class
@@ -9,8 +10,9 @@ import copy
 
 import torch
 
+from zrl.moepp import kernels
 from zrl.moepp.config import MoEPPConfig
-from zrl.moepp.kernels import use_backend
+from zrl.moepp.kernels import AUTO_ON_CUDA, use_backend
 from zrl.moepp.model import MoEPPForCausalLM
 from zrl.types import NO_ROUTE
 
@@ -78,3 +80,21 @@ def test_triton_backend_matches_reference(device):
     for name, grad in exact_grads.items():
         ref_err, tri_err = error(want_grads[name], grad, largest), error(got_grads[name], grad, largest)
         assert tri_err <= 3 * ref_err + 1e-6, (name, tri_err, ref_err)
+
+
+def test_every_op_asks_the_switch_under_its_own_name(monkeypatch):
+    """What "auto" runs is looked up per op name (AUTO_ON_CUDA): a forward and backward of the model
+    asks for each op by its name."""
+    asked = set()
+    resolve = kernels.resolve
+
+    def recording(op, x):
+        asked.add(op)
+        return resolve(op, x)
+    monkeypatch.setattr(kernels, "resolve", recording)
+    model = tiny_model(torch.device("cpu"))
+    ids = torch.randint(3, 80, (12,), generator=torch.Generator().manual_seed(2))
+    with use_backend("reference"):
+        out = model.token_logprobs(ids, torch.roll(ids, -1), cu_seqlens=torch.tensor([0, 5, 12]))
+        out.logprobs.sum().backward()
+    assert asked == set(AUTO_ON_CUDA)

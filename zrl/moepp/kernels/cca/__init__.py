@@ -1,9 +1,10 @@
 """CCA preconditioner: mean skip + two causal convolutions + QK-norm + temperature + partial RoPE.
 
 `cca_precondition` is the one entry point the model calls; it runs the fused Triton kernel
-(triton_kernel.py) when the kernel backend resolves to Triton for `q` and the shapes suit its tiles
-(head_dim a power of two >= 16, rotary_dim / 2 a power of two or rotary_dim 0), and the PyTorch
-reference (reference.py, the definition) otherwise. With the backend forced to "triton", shapes the
+(triton_kernel.py) when `resolve("cca", q)` says Triton and the shapes suit its tiles (head_dim a
+power of two >= 16, rotary_dim / 2 a power of two or rotary_dim 0), and the PyTorch reference
+(reference.py, the definition) otherwise. "auto" runs the reference on CUDA too: it was measured
+faster than the kernel (README, "Choice on CUDA"). With the backend forced to "triton", shapes the
 kernel cannot take raise instead of falling back.
 """
 
@@ -29,7 +30,7 @@ def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, 
     Returns q [T, Hq, d], k [T, Hk, d] fp32. Differentiable w.r.t. q, k, the convolutions' weights and
     biases and temp (not cos/sin, not doc_offset).
     """
-    if use_triton(q):
+    if use_triton(q, "cca"):
         from zrl.moepp.kernels.cca import triton_kernel  # lazy: Triton picks interpreter/compiler at import
 
         reason = triton_kernel.unsupported_reason(num_q_heads, num_kv_heads, head_dim, 2 * cos.shape[-1])

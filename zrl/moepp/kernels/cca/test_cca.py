@@ -3,6 +3,9 @@
 
 On CPU the kernels run in Triton's interpreter (fp32; tiny shapes, small blocks so that documents
 straddle program blocks and the weight-gradient splits); on CUDA the same tests run compiled (`gpu`).
+
+The Triton launches of every CUDA case (shapes, dtypes, tiles) are also compiled for sm_90a without a
+GPU: sm90_drivers.py lists them, and a new CUDA case needs its line there.
 """
 
 import math
@@ -72,7 +75,9 @@ def run(leaves, rest, backend, grads_out=None, **kernel_kw):
     return outs, grads
 
 
-SMALL = dict(block_t=8, tokens_per_split=16)  # several programs and splits even for ~20 tokens
+# The smallest tiles Triton compiles (tl.dot dimensions >= 16; the launcher rejects less): RAGGED's 24
+# tokens make 2 programs and 2 weight-gradient splits, with a document straddling the boundary.
+SMALL = dict(block_t=16, tokens_per_split=16)
 
 # Pairwise coverage of d {32, 64} x (Hq, Hk) {(2,1), (4,2), (2,2)} x (k0, k1) {(2,2), (3,2), (1,1)} x
 # rotary {0, d/2, d}, each with ragged documents (lengths 1 and 2 are shorter than P = 3).
@@ -81,7 +86,7 @@ CASES = [
     (64, 2, 1, 3, 2, 64), (64, 4, 2, 1, 1, 0), (64, 2, 2, 2, 2, 32),
     (32, 2, 1, 1, 1, 16), (32, 4, 2, 2, 2, 32), (32, 2, 2, 3, 2, 0),
 ]
-RAGGED = [1, 3, 7, 1]  # cu_seqlens [0, 1, 4, 11, 12]
+RAGGED = [1, 3, 13, 1, 6]  # cu_seqlens [0, 1, 4, 17, 18, 24]
 
 
 @pytest.mark.parametrize("d, hq, hk, k0, k1, rotary", CASES)
@@ -97,7 +102,7 @@ def test_kernel_matches_reference(device, triton_backend, d, hq, hk, k0, k1, rot
         assert rel_err(g, r) < BWD_TOL, name
 
 
-@pytest.mark.parametrize("lens", [[12], [3, 2, 1, 4, 1, 1, 6], [1] * 5, [9, 1, 1]],
+@pytest.mark.parametrize("lens", [[20], [3, 2, 1, 4, 1, 1, 6], [1] * 5, [17, 1, 1]],
                          ids=["one_doc", "short_docs", "all_single", "long_then_singles"])
 def test_ragged_documents_and_default_blocks(device, triton_backend, lens):
     """Documents shorter than the history P = 3, one document; both the small and the default tiles."""
@@ -114,26 +119,27 @@ def test_ragged_documents_and_default_blocks(device, triton_backend, lens):
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_no_leakage_across_documents(device, backend):
     """Changing one document's inputs (even to inf) changes nothing in the others, forward or backward."""
-    lens, bounds = [4, 2, 6], [0, 4, 6, 12]
+    lens = [14, 4, 6]  # the middle document straddles the program boundary (SMALL: 16 tokens)
+    a, b = 14, 18  # its rows
     leaves, rest = make_case(lens, 2, 1, 32, 3, 2, 32, device, seed=2)
     kw = SMALL if backend == "triton" else {}
     out, _ = run(leaves, rest, backend, **kw)
     q, k = leaves[0].detach().clone(), leaves[1].detach().clone()
-    q[4:6] += 5.0
-    k[4:6] = float("inf")
+    q[a:b] += 5.0
+    k[a:b] = float("inf")
     perturbed = [q.requires_grad_(), k.requires_grad_(), *leaves[2:]]
     out2, _ = run(perturbed, rest, backend, **kw)
     for o, o2 in zip(out, out2):
-        assert torch.equal(o[:4], o2[:4]) and torch.equal(o[6:], o2[6:])
-        assert not torch.equal(o[4:6], o2[4:6])
+        assert torch.equal(o[:a], o2[:a]) and torch.equal(o[b:], o2[b:])
+        assert not torch.equal(o[a:b], o2[a:b])
     # An upstream gradient only on the middle document reaches only its inputs.
     grads_out = [torch.zeros_like(o) for o in out]
     for g in grads_out:
-        g[bounds[1]:bounds[2]] = 1.0
+        g[a:b] = 1.0
     _, grads = run(leaves, rest, backend, grads_out=grads_out, **kw)
     for g in grads[:2]:
-        assert torch.count_nonzero(g[:4]) == 0 and torch.count_nonzero(g[6:]) == 0
-        assert torch.count_nonzero(g[4:6]) > 0
+        assert torch.count_nonzero(g[:a]) == 0 and torch.count_nonzero(g[b:]) == 0
+        assert torch.count_nonzero(g[a:b]) > 0
 
 
 def test_causal_convs_hand_values():
@@ -234,3 +240,17 @@ def test_bf16_projections_gpu(triton_backend):
     # q/k gradients are rounded to bf16 (relative 2^-8) after an fp32 computation in another order.
     assert max(rel_err(g, r) for g, r in zip(grads[:2], ref_grads[:2])) < 1e-2
     assert max(rel_err(g, r) for g, r in zip(grads[2:], ref_grads[2:])) < BWD_TOL
+
+
+@pytest.mark.parametrize("tiles,message", [
+    (dict(block_t=8), "block_t must be a power of two >= 16"),  # the dW kernel's tl.dot K: Triton 3.6 rejects 8
+    (dict(block_t=48, tokens_per_split=96), "block_t must be a power of two >= 16"),
+    (dict(block_c=8), "block_c must be a power of two >= 16"),
+    (dict(block_t=16, tokens_per_split=24), "tokens_per_split must be a positive multiple of block_t 16"),
+])
+def test_launcher_rejects_tiles_triton_cannot_compile(tiles, message):
+    from zrl.moepp.kernels.cca import triton_kernel
+
+    leaves, (doc_offset, cos, sin, hq, hk, d) = make_case([4], 2, 1, 32, 2, 2, 16, torch.device("cpu"))
+    with pytest.raises(ValueError, match=message):
+        triton_kernel.cca_precondition(*leaves, doc_offset, cos, sin, hq, hk, d, **tiles)

@@ -20,6 +20,10 @@ Backward (nothing but the inputs is saved; the kernels recompute):
             BLOCK_C-column slice of gW1_tau per program
 Weight gradients are per-program partials summed by torch afterwards (deterministic, no atomics);
 gb0 = sum_tau W1_tau^T gb1 in closed form (every h1, real or before the start, carries b0 once).
+
+T, the token count, changes every step: the kernels take it with `do_not_specialize`, so a new count
+never compiles a new variant (Triton would otherwise specialise on T % 16 == 0 and T == 1). T only
+bounds row masks and loops; the vectorised axis is the channels, so the specialisation bought nothing.
 """
 
 from __future__ import annotations
@@ -114,7 +118,7 @@ def _rotate(x, cos_ptr, sin_ptr, rows, T, sign, D: tl.constexpr, HALF: tl.conste
     return tl.reshape(tl.permute(tl.join(ra, rb), (0, 1, 3, 2)), (block_t, D))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _fwd_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gr_w_ptr, gr_b_ptr, temp_ptr, cos_ptr, sin_ptr,
                 qo_ptr, ko_ptr, T, scale, eps, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                 K0: tl.constexpr, K1: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -136,7 +140,7 @@ def _fwd_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gr_w_ptr, gr_b_ptr, t
         tl.store(ko_ptr + rows[:, None] * (HK * D) + (h - HQ) * D + cols[None, :], z, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _bwd_gy_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gr_w_ptr, gr_b_ptr, temp_ptr, cos_ptr, sin_ptr,
                    gqo_ptr, gko_ptr, gy_ptr, gb1_part_ptr, gtemp_part_ptr, T, scale, eps, HQ: tl.constexpr,
                    HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, HALF: tl.constexpr,
@@ -169,7 +173,7 @@ def _bwd_gy_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gr_w_ptr, gr_b_ptr
     tl.store(gb1_part_ptr + block * ((HQ + HK) * D) + h * D + cols, tl.sum(gy, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _bwd_gx_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, gr_w_ptr, gy_ptr, gq_ptr, gk_ptr, gw0_part_ptr, T,
                    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -218,7 +222,7 @@ def _bwd_gx_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, gr_w_ptr, gy_ptr, gq_ptr, gk
             tl.store(gk_ptr + rows[:, None] * (HK * D) + (h - HQ) * D + cc[None, :], gx, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _bwd_gw1_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gy_ptr, gw1_part_ptr, T, tokens_per_split,
                     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -248,6 +252,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, num_q_heads: int, num_kv_heads: int
     if q.shape[1] != num_q_heads * head_dim or k.shape[1] != num_kv_heads * head_dim or q.shape[0] != k.shape[0]:
         raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} do not match Hq={num_q_heads}, "
                          f"Hk={num_kv_heads}, d={head_dim}")
+
+
+def _check_tiles(block_t: int, block_c: int, tokens_per_split: int) -> None:
+    """Tiles Triton can compile: block_t is a tl.dot M (forward, gy, gx) and K (gW1) dimension, block_c
+    an N one. Powers of two >= 16: Triton 3.6 rejects a K below 16 for fp32 operands too (3.9 takes 8)."""
+    for name, size in (("block_t", block_t), ("block_c", block_c)):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot tiles), got {size}")
+    if tokens_per_split <= 0 or tokens_per_split % block_t:
+        raise ValueError(f"tokens_per_split must be a positive multiple of block_t {block_t}, got {tokens_per_split}")
 
 
 def unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int) -> str | None:
@@ -329,16 +343,13 @@ def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, 
                      dot_precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of reference.cca_precondition (same arguments and results).
 
-    block_t: tokens per program (power of two); block_c: output columns per d x d product slice in the
+    block_t: tokens per program (power of two >= 16); block_c: output columns per d x d product slice in the
     backward (power of two >= 16, capped at d); tokens_per_split: tokens per partial of gr_weight's
     gradient (a multiple of block_t); dot_precision: tl.dot input precision of the fp32 grouped-conv
     products, "ieee" by default (fp32 parity; "tf32x3" is the faster near-fp32 alternative on GPU).
     """
     _check(q, k, num_q_heads, num_kv_heads, head_dim, cos.shape[-1])
-    if tokens_per_split % block_t:
-        raise ValueError(f"tokens_per_split {tokens_per_split} must be a multiple of block_t {block_t}")
-    if block_c < 16 or block_c & (block_c - 1):
-        raise ValueError(f"block_c must be a power of two >= 16 (tl.dot tiles), got {block_c}")
+    _check_tiles(block_t, block_c, tokens_per_split)
     if interpreting():
         dot_precision = "ieee"  # the interpreter multiplies in plain fp32 whatever is asked
     # The fp32 casts are autograd ops: gradients return to the parameters in their own dtype.

@@ -49,6 +49,18 @@ class KernelConfig:
     num_warps: int = 8
     num_stages: int = 3
 
+    def __post_init__(self):
+        # Every block is a tl.dot dimension (M, N, K; BLOCK_R the K of the weight gradients): Triton
+        # compiles powers of two >= 16 (16-bit operands need K >= 16, Triton 3.6 also for fp32).
+        for name in ("block_m", "block_n", "block_k", "block_r"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two >= 16 (tl.dot tiles), got {size}")
+        if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"KernelConfig.num_warps must be a power of two, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}")
+
     @classmethod
     def for_device(cls, device: torch.device, dtype: torch.dtype) -> KernelConfig:
         # The CPU interpreter runs every program in Python: small tiles keep the tests quick and
@@ -191,7 +203,9 @@ def _row_gemm_kernel(
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+# T changes every step and is only the row stride of the [F tiles, T] gate partials, written at gathered
+# token positions (no vectorised access): not specialised on, so a new token count compiles nothing.
+@triton.jit(do_not_specialize=["T"])
 def _down_bwd_kernel(
         dy_ptr, w_ptr, gu_ptr, gate_ptr, order_ptr, row_start_ptr, tile_start_ptr,
         dgu_ptr, act_ptr, dgate_part_ptr,

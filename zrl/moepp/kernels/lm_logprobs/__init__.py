@@ -1,8 +1,8 @@
 """LM head + log-softmax gather: per-token log-probabilities (and entropy) without [T, V] logits.
 
 `token_logprobs` is the public op; it validates its inputs and dispatches (zrl.moepp.kernels) to
-the fused Triton kernels (triton_kernel.py: the vocabulary is streamed in tiles with an online
-log-sum-exp, so no [T, V] block exists in any dtype) or to the chunked PyTorch reference
+the fused Triton kernels (triton_kernel.py: tensor-core dots on exact bf16 parts of the fp32 operands,
+the vocabulary streamed in tiles with an online log-sum-exp, so no [T, V] block exists in any dtype) or to the chunked PyTorch reference
 (reference.py, the definition: [c, V] fp32 blocks). Both compute the LM head and the log-softmax in
 fp32 (LM_HEAD, LOGPROB of the FP32 op set) and take the same arguments; `chunk_tokens` only sizes the
 reference's blocks (the Triton path never holds more than one [BLOCK_T, BLOCK_V] tile per program).
@@ -49,7 +49,7 @@ def token_logprobs(
             raise ValueError(f"logit_floor must be [T] = {tuple(targets.shape)}, got {tuple(logit_floor.shape)}")
         logit_floor = logit_floor.detach().to(torch.float32)
     targets = targets.to(torch.int64)
-    if use_triton(hidden):
+    if use_triton(hidden, "lm_logprobs"):
         from zrl.moepp.kernels.lm_logprobs.triton_kernel import token_logprobs_triton
 
         logprob, entropy = token_logprobs_triton(hidden, weight, targets, with_entropy=with_entropy,

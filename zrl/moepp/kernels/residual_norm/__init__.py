@@ -2,20 +2,26 @@
 
 `scaled_residual_add_rmsnorm` is ZAYA1's residual scaling followed by the next RMSNorm, in fp32
 (RESIDUAL and RMSNORM of precision.py); `rms_norm` is the plain RMSNorm. Both are differentiable
-w.r.t. every tensor argument. The Triton kernels (triton_kernel.py) run when `use_triton` says so
-(CUDA + Triton, or forced); otherwise the PyTorch reference (reference.py), which is the definition
-and gives the model's historical numbers bitwise. Shapes: [..., D] activations (usually [T, D]),
-[D] vectors; outputs fp32 of the activation's shape.
+w.r.t. every tensor argument. The Triton kernels (triton_kernel.py) run when `use_triton` (op
+"residual_norm" of the kernels' switch) says so (CUDA + Triton under "auto", or forced); otherwise the
+PyTorch reference (reference.py), which is the definition and gives the model's historical numbers
+bitwise. Shapes: [..., D] activations (usually [T, D]), [D] vectors; outputs fp32 of the
+activation's shape.
 """
 
 from __future__ import annotations
 
 import torch
 
-from zrl.moepp.kernels import use_triton
+from zrl.moepp import kernels
 from zrl.moepp.kernels.residual_norm import reference
 
 __all__ = ["rms_norm", "scaled_residual_add_rmsnorm"]
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether both ops run their Triton kernels on `x` (the kernels' switch, op "residual_norm")."""
+    return kernels.use_triton(x, "residual_norm")
 
 
 def _check_vector(name: str, v: torch.Tensor, dim: int) -> None:

@@ -5,6 +5,9 @@ Tolerances are relative to the largest magnitude of the expected tensor (`_close
 rounding in reductions scale with the tensor, not with each element. Measured on the interpreter
 (2026-11-21) over T in {1, 3, 37}, D in {16, 48, 64, 100}, with/without norm, magnitudes 1 and 1e4:
 x bitwise equal; normed <= 3.0e-7; fp32 gradients <= 2.3e-7; fp16 grad_branch <= 4.1e-5 (fp16 ulp flips).
+
+The Triton launches of every CUDA case (shapes, dtypes, tiles) are also compiled for sm_90a without a
+GPU: sm90_drivers.py lists them, and a new CUDA case needs its line there.
 """
 
 from __future__ import annotations
@@ -232,6 +235,21 @@ def test_bad_shapes_are_rejected():
         scaled_residual_add_rmsnorm(*tensors[:3], tensors[3][:8], *tensors[4:], 1e-6)
     with pytest.raises(ValueError, match="weight"):
         rms_norm(tensors[0], torch.ones(15), 1e-6)
+
+
+@pytest.mark.parametrize("tiles,message", [
+    (dict(block_t=3), "block_t must be a power of two >= 1"),  # tl.arange needs a power of two
+    (dict(block_t=2**17), "exceeds Triton's 1048576 elements per tile"),  # x next_power_of_2(16)
+    (dict(num_partials=0), "num_partials must be >= 1"),
+])
+def test_launcher_rejects_tiles_triton_cannot_compile(tiles, message):
+    from zrl.moepp.kernels.residual_norm import triton_kernel
+
+    tensors = _inputs(3, 16, "cpu")
+    with pytest.raises(ValueError, match=message):
+        triton_kernel.scaled_residual_add_rmsnorm(*tensors, 1e-6, **tiles)
+    with pytest.raises(ValueError, match=message):
+        triton_kernel.rms_norm(tensors[0], tensors[6], 1e-6, **tiles)
 
 
 def test_modules_fused_call(device, triton_backend):

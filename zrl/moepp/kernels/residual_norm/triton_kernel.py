@@ -17,6 +17,12 @@ over the row blocks, accumulates its partial sums in fp32 registers and writes o
 [5, P, D] buffer; torch sums over P afterwards (the usual fused-layernorm split: no atomics, so the
 result is deterministic, and P is small enough that the extra reduction costs ~P/T of the main pass).
 
+T, the row count, changes every step: both kernels take it with `do_not_specialize`, so a new count
+never compiles a new variant (Triton would specialise on T % 16 == 0 and T == 1). T only masks rows and
+bounds the backward's row loop; the vectorised axis is D, which stays specialised (its divisibility
+decides the width of every load and store). The default BLOCK_T depends on T only below
+tile / next_power_of_2(D) rows (2 forward, 1 backward at D = 2048).
+
 No host synchronisation: grids come from shapes only. All statistics and products are fp32 whatever
 the input dtypes (branch usually bf16, residual fp32, parameters bf16 under FSDP2 mixed precision).
 """
@@ -38,7 +44,7 @@ _PROGRAMS_PER_SM = 4  # backward programs per SM: enough warps in flight to hide
 _PARTIALS = 5  # rows of the partial-sum buffer: hs_scale, hs_bias, res_scale, res_bias, norm_weight
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _forward_kernel(B, R, HS, HB, RS, RB, W, X, Y, RSTD, T, D, eps,
                     HAS_SCALING: tl.constexpr, HAS_NORM: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -65,7 +71,7 @@ def _forward_kernel(B, R, HS, HB, RS, RB, W, X, Y, RSTD, T, D, eps,
         tl.store(Y + offsets, x * rstd[:, None] * w[None, :], mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _backward_kernel(B, R, HS, HB, RS, RB, W, RSTD, GX, GY, GB, GR, PARTIAL, T, D,
                      HAS_SCALING: tl.constexpr, HAS_NORM: tl.constexpr, HAS_GX: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -142,6 +148,9 @@ def _block_t(block_t: int | None, tile: int, block_d: int, rows: int) -> int:
         block_t = min(max(tile // block_d, 1), triton.next_power_of_2(max(rows, 1)))
     if block_t < 1 or block_t & (block_t - 1):
         raise ValueError(f"block_t must be a power of two >= 1, got {block_t}")
+    if block_t * block_d > tl.TRITON_MAX_TENSOR_NUMEL:  # Triton's limit on one tensor's elements
+        raise ValueError(f"block_t {block_t} x next_power_of_2(D) {block_d} exceeds Triton's "
+                         f"{tl.TRITON_MAX_TENSOR_NUMEL} elements per tile")
     return block_t
 
 
@@ -229,6 +238,7 @@ def scaled_residual_add_rmsnorm(
     """The fused op (see the package's `scaled_residual_add_rmsnorm`). block_t: rows per program
     (power of two; default fills a tile of ~4096 elements forward, ~2048 backward); num_partials:
     backward programs, i.e. rows of the partial-sum buffer (default a few per SM)."""
+    _check_num_partials(num_partials)
     out = _ResidualNorm.apply(branch, residual, hs_scale, hs_bias, res_scale, res_bias, norm_weight, eps,
                               block_t, num_partials)
     return (out[0], out[1]) if norm_weight is not None else (out, None)
@@ -237,4 +247,10 @@ def scaled_residual_add_rmsnorm(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, block_t: int | None = None,
              num_partials: int | None = None) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight in fp32, [..., C] -> fp32 (the package's `rms_norm`)."""
+    _check_num_partials(num_partials)
     return _ResidualNorm.apply(x, None, None, None, None, None, weight, eps, block_t, num_partials)
+
+
+def _check_num_partials(num_partials: int | None) -> None:
+    if num_partials is not None and num_partials < 1:
+        raise ValueError(f"num_partials must be >= 1 (backward programs), got {num_partials}")

@@ -1,7 +1,7 @@
 """The ZAYA1 router head as one op: RMSNorm -> fc1+GELU -> fc2+GELU -> logits -> softmax -> biased
 argmax -> replay override -> gate. The down-projection and EDA stay outside (a GEMM and an axpy).
 
-`route` validates shapes and dispatches (zrl.moepp.kernels) to the fused Triton kernels
+`route` validates shapes and dispatches (zrl.moepp.kernels, op "router") to the fused Triton kernels
 (triton_kernel.py) or to the PyTorch reference (reference.py, the definition, which gives the
 model's historical numbers bitwise). Both take and return the same things; the gradient reaches r
 and every weight/bias through `gate` only.
@@ -42,7 +42,7 @@ def route(r: torch.Tensor, norm_weight: torch.Tensor, fc1_weight: torch.Tensor, 
             raise ValueError(f"{name} must have shape {shape} for R = {size}, got {tuple(tensor.shape)}")
     if replay is not None and (replay.shape != (t,) or replay.dtype.is_floating_point):
         raise ValueError(f"replay must be [T] = [{t}] integer ids, got {tuple(replay.shape)} {replay.dtype}")
-    if use_triton(r):
+    if use_triton(r, "router"):
         from zrl.moepp.kernels.router.triton_kernel import route as route_triton
 
         return route_triton(r, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,

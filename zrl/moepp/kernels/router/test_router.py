@@ -5,6 +5,9 @@ Tolerances (fp32, interpreter): measured over the shapes and edge cases of this 
 default block sizes, the largest gate difference was 3.6e-7 absolute and the largest gradient
 difference 1.7e-6 of that gradient's max |value| (the norm, GEMM and softmax sums run in another
 order than torch's). Asserted: 2e-6 absolute on the gate, 1e-5 of the gradient's max |value|.
+
+The Triton launches of every CUDA case (shapes, dtypes, tiles) are also compiled for sm_90a without a
+GPU: sm90_drivers.py lists them, and a new CUDA case needs its line there.
 """
 
 from __future__ import annotations
@@ -328,3 +331,5 @@ def test_kernel_rejects_mixed_weight_dtypes_and_bad_blocks():
         triton_route(*tensors, biases, None, EPS, block_t=24)
     with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
         triton_route(*tensors, biases, None, EPS, block_k=8)
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        triton_route(*tensors, biases, None, EPS, num_warps=6)

@@ -22,6 +22,11 @@ against 3 R^2 fp32 = 768 KB of per-program partials (24 KB per token at BLOCK_T 
 traffic as contended atomics. The [R] gradients (fc1/fc2 biases, RMSNorm weight) are per-program
 fp32 partial sums [T / BLOCK_T, R] summed afterwards (deterministic, 1/BLOCK_T of a [T, R] re-read).
 
+T, the token count, changes every step: both kernels take it with `do_not_specialize`, so a new count
+never compiles a new variant (Triton would specialise on T % 16 == 0 and T == 1). T only masks rows; the
+vectorised axis of every [BLOCK_T, R] tile is R (sm_90a PTX: the same vector widths either way, but for
+one or two [BLOCK_T] index loads of the fp32 path, v2 before).
+
 Casts follow the reference (reference.py): every linear output and GELU output is rounded to the
 compute dtype (the weights' dtype), softmax and the norm in fp32; tl.dot accumulates in fp32 and
 uses IEEE fp32 (not TF32) when the compute dtype is fp32. No host synchronisation.
@@ -86,7 +91,7 @@ def _probs(h2_c, WO, cols, col_ok, cls, cls_ok, R, DOT_PRECISION: tl.constexpr):
     return e / tl.sum(e, axis=1)[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_fwd(R_ptr, NW, W1, B1, W2, B2, WO, BIAS, REPLAY, GATE, CHOSEN, NATIVE,
                T, R, C, stride_r, eps,
                HAS_REPLAY: tl.constexpr, SENTINEL: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -124,7 +129,7 @@ def _route_fwd(R_ptr, NW, W1, B1, W2, B2, WO, BIAS, REPLAY, GATE, CHOSEN, NATIVE
     tl.store(NATIVE + rows, native, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _route_bwd(R_ptr, NW, W1, B1, W2, B2, WO, CHOSEN, DGATE,
                DR, XN, H1, H2, DZ1, DZ2, DLOGITS, DNW_PART, DB1_PART, DB2_PART,
                T, R, C, stride_r, stride_dr, eps,
@@ -294,5 +299,7 @@ def route(r: torch.Tensor, norm_weight: torch.Tensor, fc1_weight: torch.Tensor, 
     for name, block in (("block_t", block_t), ("block_k", block_k)):
         if block < 16 or block & (block - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot tiles), got {block}")
+    if num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps must be a power of two, got {num_warps}")
     return _Route.apply(r, norm_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias, out_weight,
                         balancing_biases, replay, eps, block_t, block_k, num_warps, num_stages)

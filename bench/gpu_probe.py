@@ -1,0 +1,842 @@
+"""One command that measures the trainer on one GPU: environment, `gpu` tests, kernel table, trainer steps.
+
+On one H100/H200 in about 6 minutes it writes bench/results/<gpu>-<date>.md and a JSON twin:
+  env        device; torch, CUDA, Triton, transformers versions; the dense bf16 GEMM rate (8192^3) measured
+             now, the denominator of every MFU figure (a measured rate, not the data sheet's)
+  trainer    full RL steps through TrainerWorker, in-process (one FSDP2 rank on NCCL, world size 1; no
+             Ray) at the ZAYA1-8B layer shape cut to 4 and 8 layers, ~64k tokens per step in one
+             microbatch, activation checkpointing, bf16 parameters, kernels "auto": tokens/s, MFU,
+             optimizer share, peak memory, a torch.profiler top-20 table (self CUDA time) of one step
+  kernels    at 16k and 64k tokens, each op (lm_logprobs, experts, cca, attention, router,
+             residual_norm, decoder layer) as the Triton kernel vs the PyTorch reference vs transformers'
+             piece vs the library op (experts: torch._grouped_mm), fwd and fwd+bwd: ms, TFLOP/s and the
+             share of a dense [T, D] x [D, 2F] GEMM timed in the same part (bench/moepp_kernels.py's
+             groups; FLOPs from bench/moepp_kernels_work.py)
+  gpu_tests  `pytest -m gpu zrl/moepp/kernels`: counts and each failure's first line
+Each part runs in its own Python process under a time limit: a CUDA error or a hang ends that part
+only, what it measured before is kept, and time a part leaves unused goes to the later ones. In the
+kernel table a first call over FIRST_CALL_LIMIT_S is reported alone (compilation included: an upper
+bound, marked "~"), and an implementation whose forward takes over SLOW_FORWARD_S gets no fwd+bwd row.
+
+MFU = model FLOPs per step / step time / the measured GEMM rate, with the model FLOPs per step
+(moepp_kernels_work.model_step_flops) 3 x forward =
+  3 x [ sum over layers l of ( 2 T D (2 Hq d + 2 Hk d)     q, k, v, o projections
+                              + 2 Hq d sum_i S_i^2          causal attention over documents S_i
+                              + 2 T D R + router head       router
+                              + 6 n_l D F                   experts, n_l tokens routed in layer l
+                              + CCA )                       convolutions, norms, RoPE
+        + 2 T V D ]                                          LM head, one GEMM
+Recomputation (activation checkpointing, an LM head split into several bf16 products) is not counted.
+
+--smoke   the same parts on CPU with tiny shapes (tests/unit/test_gpu_probe.py runs it); its rates
+          are not claims about anything.
+--roofline  writes bench/results/roofline-zaya1-4layer-64k.md: FLOPs and bytes per op of a 4-layer,
+          64k-token step (moepp_kernels_work.training_step_ops) against an H200's roofline; no device.
+
+The device machine has torch and Triton only (no vLLM, no Ray; the probe blocks both imports, so any
+run, a CPU one included, shows it needs neither) and no network. Wheels to install there (CPython 3.12,
+`pip install --no-index --no-deps --target /tmp/site <folder>/*.whl`): pydantic, pydantic-core,
+annotated-types, typing-inspection, typing-extensions (the trainer's settings); transformers and
+tokenizers (transformers' rows; without them only those rows are missing; numpy, safetensors and PyYAML
+come with transformers); pytest, pluggy and iniconfig where pytest is missing. Then, from the checkout:
+  PYTHONPATH=.:/tmp/site python3 bench/gpu_probe.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+if __name__ == "__main__":  # the device machines have neither vLLM nor Ray: importing them fails here too
+    sys.modules.update(vllm=None, ray=None)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `python bench/gpu_probe.py` from anywhere
+sys.path.insert(0, str(ROOT / "bench"))  # moepp_kernels and its work formulas, beside it
+
+import torch  # noqa: E402
+
+from moepp_kernels_work import (FULL, LM_HEAD_SPLIT_DOTS, Shape, attention_work, doc_lengths,  # noqa: E402
+                                model_step_flops, optimizer_shapes, training_step_ops)
+
+# (part, argument, seconds it is planned to take): most important first; a later part gets what an
+# earlier one leaves unused. The sum is the default --budget-s less process start-ups.
+PLAN = (("env", "", 20), ("trainer", "4", 80), ("kernels", "16384", 70), ("kernels", "65536", 50),
+        ("trainer", "8", 50), ("gpu_tests", "", 70))
+SMOKE_ARGS = {"16384": "64", "65536": "128"}  # --smoke: kernel token counts on the tiny shape
+SMOKE_SHAPE = Shape(D=32, E=4, F=16, Hq=4, Hk=2, d=8, R=16, V=64, rotary=4)
+# The kernel part's ops, most important first; above OPS_ALL_UP_TO tokens the experts come first (their
+# goal is measured there too) and the whole layer is left out (its 16k rows answer its question).
+OPS = ("lm_logprobs", "experts", "cca", "layer", "attention", "router", "residual_norm")
+OPS_ALL_UP_TO = 16384
+OPS_LARGE = ("experts", "lm_logprobs", "attention", "cca", "router", "residual_norm")
+FIRST_CALL_LIMIT_S = 20.0  # a first call (compilation included) slower than this is not repeated
+SLOW_FORWARD_S = 5.0  # an implementation whose forward is slower than this is not run forward + backward
+TIMED_CALLS, CALL_BUDGET_S = 5, 0.5  # per implementation and mode, after the first call
+GEMM_GOAL, MFU_GOAL = 0.70, 0.30
+
+
+# ---------------------------------------------------------------- running parts in child processes
+
+@dataclasses.dataclass
+class PartResult:
+    name: str
+    arg: str
+    status: str  # ok | failed (exit status n) | timed out after n s | skipped: ...
+    seconds: float
+    rows: list[dict]
+    log_tail: str = ""
+
+
+def run_part(name: str, arg: str, command: list[str], rows_path: Path, timeout_s: float) -> PartResult:
+    """Run `command`, which appends JSON rows to `rows_path`, for at most `timeout_s` seconds. At the limit
+    it is interrupted (SIGINT: pytest then still writes its report), killed 15 s later; rows kept."""
+    log_path = rows_path.with_suffix(".log")
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
+        try:
+            rc = proc.wait(timeout=max(timeout_s, 1.0))
+            status = "ok" if rc == 0 else f"failed (exit status {rc})"
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            status = f"timed out after {timeout_s:.0f} s"
+    rows = []
+    if rows_path.exists():
+        for line in rows_path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # the line being written when the part was killed
+                pass
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:]) if status != "ok" else ""
+    return PartResult(name, arg, status, time.monotonic() - start, rows, tail)
+
+
+class Rows:
+    """A child part's output: one JSON object per line, flushed at once (a killed part keeps its rows)."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "a")
+
+    def __call__(self, kind: str, **row) -> None:
+        self.file.write(json.dumps({"kind": kind, **row}, default=float) + "\n")
+        self.file.flush()
+
+
+def error_row(emit: Rows, where: str, exc: BaseException) -> None:
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    emit("error", where=where, error=f"{type(exc).__name__}: {first}")
+
+
+# ---------------------------------------------------------------- part: environment
+
+def part_env(args: argparse.Namespace, emit: Rows) -> None:
+    cuda = torch.cuda.is_available()
+    versions = {}
+    for dist in ("triton", "transformers", "tokenizers", "pydantic", "numpy", "safetensors", "pytest"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    try:
+        from zrl.moepp import kernels
+        auto = dict(getattr(kernels, "AUTO_ON_CUDA", {}))  # what "auto" runs per op on CUDA, where recorded
+    except Exception as exc:  # noqa: BLE001 - the probe reports what it cannot import
+        auto = {"error": f"{type(exc).__name__}: {exc}"}
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        device = dict(name=props.name, capability=f"{props.major}.{props.minor}",
+                      memory_gib=props.total_memory / 2**30, sms=props.multi_processor_count)
+    else:
+        threads = torch.get_num_threads()
+        device = dict(name=f"{platform.machine()} CPU, {threads} thread{'s' if threads > 1 else ''}", capability=None,
+                      memory_gib=None, sms=None)
+    emit("env", device=device, torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+         versions=versions, auto_on_cuda=auto)
+    # The MFU denominator. --smoke: a small fp32 matmul, so the code path runs; its rate is no claim.
+    n, dtype = (8192, torch.bfloat16) if cuda else (256, torch.float32)
+    a = torch.randn(n, n, device="cuda" if cuda else "cpu", dtype=dtype)
+    b = torch.randn_like(a)
+    seconds = median_seconds(lambda: torch.mm(a, b), cuda, iters=50, budget_s=2.0)[0]  # clocks settle
+    emit("gemm", n=n, dtype=str(dtype), tflops=2.0 * n**3 / seconds / 1e12)
+
+
+# ---------------------------------------------------------------- part: kernel table
+
+def median_seconds(call: Callable[[], object], cuda: bool, iters: int = TIMED_CALLS,
+                   budget_s: float = CALL_BUDGET_S) -> tuple[float, int]:
+    """(median seconds, timed calls) of `call` after one first call (compilation, autotuning, the
+    allocator's growth; errors surface there). A first call over FIRST_CALL_LIMIT_S is returned as it is
+    with 0 timed calls: compilation included, an upper bound."""
+    def timed() -> float:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        begin = time.perf_counter()
+        call()
+        return time.perf_counter() - begin
+
+    first = timed()
+    if first > FIRST_CALL_LIMIT_S:
+        return first, 0
+    times, deadline = [], time.perf_counter() + budget_s
+    while len(times) < iters and (not times or time.perf_counter() < deadline):
+        times.append(timed())
+    return statistics.median(times), len(times)
+
+
+def attention_groups(ctx, tokens: int) -> list:
+    """zrl's causal attention (zrl.moepp.attention.causal_attention) on the packed layout, under each
+    backend the group times: ragged documents (what the trainer sees) and equal ones (one SDPA batch)."""
+    import moepp_kernels as mk
+    from zrl.moepp.attention import causal_attention
+    from zrl.moepp.packing import build_layout
+
+    s, groups = ctx.shape, []
+    q, k, v = ctx.leaf(tokens, s.Hq, s.d), ctx.leaf(tokens, s.Hk, s.d), ctx.leaf(tokens, s.Hk, s.d)
+    for ragged in (True, False):
+        lens = doc_lengths(tokens, ctx.doc_len, ragged=ragged)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=ctx.device)
+        layout = build_layout(tokens, device=ctx.device, cu_seqlens=cu)
+        impls = [mk.Impl(b, mk._scoped(b, lambda layout=layout: causal_attention(q, k, v, layout)), [q, k, v])
+                 for b in ("reference", "triton") if b in ctx.impls]
+        name = "attention" if ragged else "attention equal"
+        groups.append(mk.Group(name, attention_work(s, lens, ctx.act), impls,
+                               f"{len(lens)} {'ragged' if ragged else 'equal'} docs"))
+    return groups
+
+
+def part_kernels(args: argparse.Namespace, emit: Rows) -> None:
+    import moepp_kernels as mk
+
+    cuda = torch.cuda.is_available()
+    tokens = int(SMOKE_ARGS.get(args.part_arg, args.part_arg) if args.smoke else args.part_arg)
+    try:
+        import transformers.models.zaya.modeling_zaya as hf
+    except ImportError as exc:
+        hf = None
+        error_row(emit, "transformers rows", exc)
+    impls = [i for i in mk.IMPLS if i != "triton" or cuda]
+    timing = (1, 0.0) if args.smoke else (TIMED_CALLS, CALL_BUDGET_S)  # (calls, seconds) per row after the first
+    ctx = mk.Ctx(shape=FULL if cuda else SMOKE_SHAPE, device=torch.device("cuda" if cuda else "cpu"),
+                 dtype=torch.bfloat16 if cuda else torch.float32, impls=impls, skip_share=0.1,
+                 doc_len=args.doc_len if cuda else 16, hf=hf, gen=torch.Generator().manual_seed(0))
+    rate = mk.dense_rate(ctx, tokens, argparse.Namespace(iters=10, warmup=2))
+    emit("dense_gemm", tokens=tokens, tflops=rate / 1e12, shape=str(ctx.shape), doc_len=ctx.doc_len)
+    for op in OPS if tokens <= OPS_ALL_UP_TO or args.smoke else OPS_LARGE:
+        time_op(op, ctx, tokens, rate, timing, emit)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def time_op(op: str, ctx, tokens: int, rate: float, timing: tuple[int, float], emit: Rows) -> None:
+    """Rows of every group of `op` (its inputs live only while this runs)."""
+    import moepp_kernels as mk
+
+    cuda = ctx.device.type == "cuda"
+    try:
+        groups = {**mk.BUILDERS, "attention": attention_groups}[op](ctx, tokens)
+    except Exception as exc:  # noqa: BLE001 - one broken op must not end the table
+        error_row(emit, f"{op} inputs", exc)
+        return
+    for group in groups:
+        slow = set()  # implementations whose forward alone passed SLOW_FORWARD_S: their fwd+bwd is not run
+        for mode in ("fwd", "fwd+bwd"):
+            for impl in group.impls:
+                if impl.name in slow:
+                    emit("error", where=f"{group.name} {impl.name} {mode}", error="not run: its fwd alone took "
+                         f"over {SLOW_FORWARD_S:.0f} s")
+                    continue
+                try:
+                    seconds, calls = median_seconds(mk.make_step(impl, mode), cuda, *timing)
+                except Exception as exc:  # noqa: BLE001
+                    error_row(emit, f"{group.name} {impl.name} {mode}", exc)
+                    continue
+                if calls == 0 or seconds > SLOW_FORWARD_S:
+                    slow.add(impl.name)
+                flops, nbytes = group.work.flops(mode), group.work.bytes(mode)
+                emit("kernel", tokens=tokens, group=group.name, impl=impl.name, mode=mode, ms=seconds * 1e3,
+                     calls=calls, tflops=flops / seconds / 1e12, gbs=nbytes / seconds / 1e9,
+                     share_gemm=flops / seconds / rate, fp32=group.fp32, note=group.note)
+
+
+# ---------------------------------------------------------------- part: trainer steps
+
+def trainer_config(layers: int, smoke: bool):
+    from zrl.moepp.config import zaya1_8b_config
+
+    config = zaya1_8b_config()
+    if smoke:
+        config = dataclasses.replace(config, vocab_size=512, hidden_size=64, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, moe_intermediate_size=64, num_experts=4,
+                                     router_hidden_size=16)
+    return dataclasses.replace(config, num_hidden_layers=layers)
+
+
+# rollouts per step and their prompt / response length ranges: 64 x ~1024 = ~64k tokens (smoke ~0.2k)
+BATCH = dict(num_groups=4, group_size=16, prompt_tokens=(128, 384), response_tokens=(512, 1024))
+SMOKE_BATCH = dict(num_groups=1, group_size=4, prompt_tokens=(8, 24), response_tokens=(16, 48))
+TOKEN_BUDGET = 131072  # one microbatch per step (the production microbatch size)
+
+
+def batch_work(batch, num_layers: int, num_experts: int) -> tuple[list[int], list[int]]:
+    """(document lengths as packed, tokens routed to an expert per layer) of a batch under router replay:
+    the recorded ids are the ones used (the last routing row of a rollout is never an input)."""
+    from zrl.trainer.packing import input_length
+
+    docs, routed = [], [0] * num_layers
+    for r in batch.rollouts():
+        n = input_length(len(r.prompt_ids), len(r.token_ids))
+        docs.append(n)
+        for layer, count in enumerate((r.routing[:n] < num_experts).sum(axis=0).tolist()):
+            routed[layer] += count
+    return docs, routed
+
+
+def part_trainer(args: argparse.Namespace, emit: Rows) -> None:
+    from zrl.config.schema import Algorithm, MuonSpec, Optimizer
+    from zrl.moepp import MoEPPForCausalLM
+    from zrl.moepp.checkpoint import save_hf_checkpoint
+    from zrl.trainer import Rendezvous, TrainerSettings, TrainerWorker
+    from zrl.trainer.synthetic import synthetic_train_batch
+
+    cuda = torch.cuda.is_available()
+    layers = int(args.part_arg)
+    config = trainer_config(layers, args.smoke)
+    shape = Shape(D=config.hidden_size, E=config.num_experts, F=config.moe_intermediate_size,
+                  Hq=config.num_attention_heads, Hk=config.num_key_value_heads, d=config.head_dim,
+                  R=config.router_hidden_size, V=config.vocab_size, k0=config.cca_time0, k1=config.cca_time1,
+                  rotary=config.rotary_dim)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        torch.manual_seed(0)
+        with torch.device("cuda" if cuda else "cpu"):  # random weights: initialised on the GPU in seconds
+            model = MoEPPForCausalLM(config)
+        params = sum(p.numel() for p in model.parameters())
+        save_hf_checkpoint(model, tmp, dtype=dtype, max_shard_bytes=2 << 30)
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+        built = time.perf_counter()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        settings = TrainerSettings(param_dtype="bfloat16" if cuda else "float32", kernels="auto",
+                                   activation_checkpointing=True, token_budget=TOKEN_BUDGET, max_response_tokens=1024,
+                                   optimizer=Optimizer(muon=MuonSpec(lr=1e-6)), algorithm=Algorithm(router_replay=True))
+        worker = TrainerWorker(Rendezvous("127.0.0.1", port, rank=0, world_size=1), tmp, settings)
+        emit("trainer_setup", layers=layers, params=params, shape=str(shape), build_s=built - start,
+             load_s=time.perf_counter() - built, dtype=str(dtype), kernels=settings.kernels,
+             checkpointing=settings.activation_checkpointing)
+        spec = SMOKE_BATCH if args.smoke else BATCH
+        try:
+            last = None
+            for step in range(args.steps + 1):  # step 0 is the warm-up: compilation, allocator growth
+                # After the first timed step, stop while one more step and the profiled one still fit.
+                if step >= 2 and time.time() + 3 * last > args.deadline:
+                    emit("note", text=f"stopped after {step} steps: the part's time is running out")
+                    break
+                batch = synthetic_train_batch(vocab_size=config.vocab_size, num_layers=layers,
+                                              num_experts=config.num_experts, trainer_step=worker.version,
+                                              seed=step, **spec)
+                metrics = worker.train_step(worker.share_of(batch))
+                last = metrics["perf/step_s"]
+                emit("trainer_step", **step_row(step, batch, metrics, shape, layers))
+            if last is not None and time.time() + 2 * last < args.deadline:
+                batch = synthetic_train_batch(vocab_size=config.vocab_size, num_layers=layers,
+                                              num_experts=config.num_experts, trainer_step=worker.version,
+                                              seed=1000, **spec)
+                profile_step(worker, batch, cuda, emit)
+            else:
+                emit("note", text="no profiled step: the part's time is running out")
+        finally:
+            worker.shutdown()
+
+
+def step_row(step: int, batch, metrics: dict[str, float], shape: Shape, layers: int) -> dict:
+    docs, routed = batch_work(batch, layers, shape.E)
+    perf = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("perf/")}
+    return dict(step=step, warmup=step == 0, tokens=sum(docs), input_tokens=metrics["batch/input_tokens"],
+                docs=len(docs), routed=routed,
+                model_flops=model_step_flops(shape, layers, docs, routed), loss=metrics.get("loss/policy"), **perf)
+
+
+def profile_step(worker, batch, cuda: bool, emit: Rows, top: int = 20) -> None:
+    """One step under torch.profiler: the `top` ops by self device time (CPU time on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        metrics = worker.train_step(worker.share_of(batch))
+    events = list(prof.key_averages())
+
+    def self_device_us(e) -> float:  # the attribute's name moved between torch releases
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
+
+    key = self_device_us if cuda else (lambda e: float(e.self_cpu_time_total))
+    busy = sum(key(e) for e in events) / 1e6
+    rows = [dict(name=e.key[:90], calls=e.count, self_ms=key(e) / 1e3, self_cpu_ms=e.self_cpu_time_total / 1e3)
+            for e in sorted(events, key=key, reverse=True)[:top]]
+    emit("profile", step_s=metrics["perf/step_s"], timed=("self CUDA" if cuda else "self CPU"), busy_s=busy, top=rows)
+
+
+# ---------------------------------------------------------------- part: gpu tests
+
+def gpu_tests_command(xml: Path) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-m", "gpu", "zrl/moepp/kernels", "-q", "-p", "no:cacheprovider",
+            f"--junitxml={xml}"]
+
+
+def parse_junit(xml: Path) -> dict:
+    """Counts and failures (test id and the first line of its message) of a pytest JUnit XML report."""
+    if not xml.exists():
+        return {"error": "no report (pytest did not get to write one)"}
+    counts = dict(tests=0, failures=0, errors=0, skipped=0)
+    failures = []
+    for suite in ET.parse(xml).getroot().iter("testsuite"):
+        for key in counts:
+            counts[key] += int(suite.get(key, 0))
+        for case in suite.iter("testcase"):
+            for bad in [*case.findall("failure"), *case.findall("error")]:
+                message = (bad.get("message") or bad.text or "").strip().splitlines()
+                failures.append(dict(test=f"{case.get('classname')}::{case.get('name')}",
+                                     first_line=(message[0] if message else "")[:300]))
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return {**counts, "failed": failures}
+
+
+# ---------------------------------------------------------------- the report
+
+def summarise(parts: list[PartResult]) -> dict:
+    """Everything the report shows, from the parts' rows: env, trainer runs, kernel rows, tests, errors."""
+    out = dict(env={}, gemm=None, kernels=[], dense={}, trainer={}, gpu_tests=None, errors=[], notes=[])
+    for part in parts:
+        label = f"{part.name} {part.arg}".strip()
+        for full_row in part.rows:
+            kind, row = full_row["kind"], {k: v for k, v in full_row.items() if k != "kind"}
+            if kind == "env":
+                out["env"] = row
+            elif kind == "gemm":
+                out["gemm"] = row
+            elif kind == "kernel":
+                out["kernels"].append(row)
+            elif kind == "dense_gemm":
+                out["dense"][row["tokens"]] = row
+            elif kind == "trainer_step":
+                out["trainer"].setdefault(part.arg, {"steps": []})["steps"].append(row)
+            elif kind in ("trainer_setup", "profile"):
+                out["trainer"].setdefault(part.arg, {"steps": []})[kind] = row
+            elif kind == "gpu_tests":
+                out["gpu_tests"] = row
+            elif kind == "error":
+                out["errors"].append(f"{label}: {row['where']}: {row['error']}")
+            else:
+                out["notes"].append(f"{label}: {row.get('text', row)}")
+    gemm = out["gemm"]["tflops"] * 1e12 if out["gemm"] else math.nan
+    for run in out["trainer"].values():
+        timed = [s for s in run["steps"] if not s["warmup"]]
+        warmup_only = not timed
+        timed = timed or run["steps"]  # a part that ran out of time after its warm-up: that step, marked
+        if timed:
+            step_s = statistics.median(s["step_s"] for s in timed)
+            flops = statistics.median(s["model_flops"] / s["step_s"] for s in timed)
+            run["summary"] = dict(
+                steps=len(timed), warmup_only=warmup_only, step_s=step_s,
+                tokens=statistics.median(s["tokens"] for s in timed),
+                tokens_per_s=statistics.median(s["tokens"] / s["step_s"] for s in timed), tflops=flops / 1e12,
+                mfu=flops / gemm, optimizer_share=statistics.median(s["optimizer_s"] / s["step_s"] for s in timed),
+                peak_gib=max(s["peak_memory_gib"] for s in run["steps"]), warmup_s=run["steps"][0]["step_s"])
+    return out
+
+
+def kernel_row(s: dict, tokens: int, group: str, impl: str, mode: str) -> dict | None:
+    key = (tokens, group, impl, mode)
+    return next((r for r in s["kernels"] if (r["tokens"], r["group"], r["impl"], r["mode"]) == key), None)
+
+
+def goals(s: dict, kernel_tokens: tuple[int, int]) -> list[tuple[str, str, str, str]]:
+    """(goal, measured, target, verdict) rows of the summary."""
+    def ratio(group: str, base: str, impl: str, mode: str, tokens: int) -> float:
+        a, b = kernel_row(s, tokens, group, base, mode), kernel_row(s, tokens, group, impl, mode)
+        return a["ms"] / b["ms"] if a and b else math.nan
+
+    def verdict(ok: bool | None) -> str:
+        return "-" if ok is None else ("met" if ok else "NOT met")
+
+    small, large = kernel_tokens
+    rows = []
+    run = s["trainer"].get("4", {}).get("summary")
+    mfu = run["mfu"] if run else math.nan
+    measured = _pct(mfu) + (f" ({run['tflops']:.0f} TFLOP/s{', warm-up step only' if run['warmup_only'] else ''})"
+                            if run else "")
+    rows.append(("MFU fwd+bwd, 4 layers x ~64k tokens", measured, f">= {MFU_GOAL:.0%}",
+                 verdict(None if math.isnan(mfu) else mfu >= MFU_GOAL)))
+    for mode in ("fwd", "fwd+bwd"):
+        r = ratio("lm_logprobs", "transformers", "triton", mode, small)
+        rows.append((f"LM head {mode} at {small}: transformers ms / triton ms", _num(r, ".2f") + "x", ">= 1x",
+                     verdict(None if math.isnan(r) else r >= 1.0)))
+    for tokens in (small, large):
+        shares = {impl: kernel_row(s, tokens, "experts", impl, "fwd") for impl in ("triton", "grouped_mm")}
+        text = ", ".join(f"{impl} {_pct(r['share_gemm'] if r else math.nan)}" for impl, r in shares.items())
+        best = max((r["share_gemm"] for r in shares.values() if r), default=math.nan)
+        rows.append((f"experts fwd share of the dense GEMM at {tokens}", text, f">= {GEMM_GOAL:.0%}",
+                     verdict(None if math.isnan(best) else best >= GEMM_GOAL)))
+    for group in ("cca", "layer"):
+        r = ratio(group, "reference", "triton", "fwd+bwd", small)
+        rows.append((f"{group} fwd+bwd at {small}: reference ms / triton ms", _num(r, ".2f") + "x", "> 1x",
+                     verdict(None if math.isnan(r) else r > 1.0)))
+    t = s["gpu_tests"]
+    if t and "tests" in t:
+        bad = t["failures"] + t["errors"]
+        rows.append(("`gpu` tests", f"{t['passed']} passed, {bad} failed, {t['skipped']} skipped", "all pass",
+                     verdict(None if t["passed"] + bad == 0 else bad == 0)))
+    else:
+        rows.append(("`gpu` tests", (t or {}).get("error", "not run"), "all pass", "-"))
+    return rows
+
+
+def _pct(x: float) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n:,.0f}"
+
+
+def _num(x: float, spec: str) -> str:
+    return "-" if x is None or not math.isfinite(x) else format(x, spec)
+
+
+def render(s: dict, parts: list[PartResult], meta: dict) -> str:
+    env, dev = s["env"], s["env"].get("device", {})
+    v, gemm = env.get("versions", {}), s["gemm"]
+    hardware = f"{dev['memory_gib']:.0f} GiB, {dev['sms']} SMs, sm {dev['capability']}; " if dev.get("sms") else ""
+    lines = [f"# GPU probe: {dev.get('name', 'unknown device')}, {meta['date']}", ""]
+    if meta["smoke"]:
+        lines += ["**Smoke run (tiny shapes on CPU): it checks the probe runs; no rate here is a claim.**", ""]
+    lines += [f"torch {env.get('torch')} (CUDA {env.get('cuda')}), Triton {v.get('triton')}, transformers "
+              f"{v.get('transformers')}, Python {env.get('python')}; commit {meta['commit']}; {hardware}"
+              f"kernels auto on CUDA: {env.get('auto_on_cuda') or 'not recorded'}.",
+              f"Dense GEMM {gemm['n']}^3 {gemm['dtype']}: **{gemm['tflops']:.1f} TFLOP/s** (the MFU denominator)."
+              if gemm else "Dense GEMM: not measured.",
+              f"Command: `{meta['command']}`; {meta['wall_s']:.0f} s wall of a {meta['budget_s']:.0f} s budget.", "",
+              "## Summary", "", "| goal | measured | target | |", "|---|---|---|---|"]
+    lines += [f"| {g} | {m} | {t} | {v_} |" for g, m, t, v_ in goals(s, meta["kernel_tokens"])]
+    lines += ["", "## Parts", "", "| part | status | s |", "|---|---|---|"]
+    lines += [f"| {p.name} {p.arg} | {p.status} | {p.seconds:.0f} |" for p in parts]
+    for layers, run in s["trainer"].items():
+        lines += render_trainer(layers, run, gemm["tflops"] * 1e12 if gemm else math.nan)
+    for tokens in sorted({r["tokens"] for r in s["kernels"]}):
+        lines += render_kernels(s, tokens)
+    t = s["gpu_tests"]
+    lines += ["", "## `pytest -m gpu zrl/moepp/kernels`", ""]
+    if t and "tests" in t:
+        lines.append(f"{t['passed']} passed, {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped.")
+        lines += [f"- `{f['test']}`: {f['first_line']}" for f in t["failed"]]
+    else:
+        lines.append((t or {}).get("error", "not run"))
+    problems = s["errors"] + s["notes"] + [f"{p.name} {p.arg}: {p.status}\n```\n{p.log_tail}\n```"
+                                           for p in parts if p.log_tail]
+    lines += ["", "## Errors, time-outs and notes", ""] + ([f"- {e}" for e in problems] or ["None."])
+    return "\n".join(lines) + "\n"
+
+
+def render_trainer(layers: str, run: dict, gemm: float) -> list[str]:
+    setup, summ, prof = run.get("trainer_setup"), run.get("summary"), run.get("profile")
+    lines = ["", f"## Trainer: {layers} layers", ""]
+    if setup:
+        lines.append(f"{_count(setup['params'])} parameters ({setup['shape']}), {setup['dtype']} parameters, kernels "
+                     f"{setup['kernels']}, activation checkpointing {setup['checkpointing']}; checkpoint built in "
+                     f"{setup['build_s']:.0f} s, TrainerWorker up in {setup['load_s']:.0f} s.")
+    if summ:
+        which = "the warm-up step only (compilation included)" if summ["warmup_only"] else \
+            f"median of {summ['steps']} steps after the warm-up"
+        lines += ["", f"{which.capitalize()}: **{summ['tokens_per_s']:,.0f} tokens/s**, {summ['step_s']:.3f} s per "
+                  f"step of {summ['tokens']:,.0f} tokens, {summ['tflops']:.1f} TFLOP/s = **MFU {_pct(summ['mfu'])}**, "
+                  f"optimizer {_pct(summ['optimizer_share'])} of the step, peak {summ['peak_gib']:.1f} GiB; "
+                  f"warm-up step {summ['warmup_s']:.2f} s."]
+    lines += ["", "| step | tokens | docs | step s | fwd s | bwd s | optim s | tokens/s | model TFLOP | MFU | "
+              "peak GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for st in run["steps"]:
+        lines.append(f"| {st['step']}{' (warm-up)' if st['warmup'] else ''} | {st['tokens']:,} | {st['docs']} | "
+                     f"{st['step_s']:.3f} | {st['forward_s']:.3f} | {st['backward_s']:.3f} | {st['optimizer_s']:.3f} "
+                     f"| {st['tokens'] / st['step_s']:,.0f} | {st['model_flops'] / 1e12:.2f} | "
+                     f"{_pct(st['model_flops'] / st['step_s'] / gemm)} | {st['peak_memory_gib']:.1f} |")
+    if prof:
+        cpu_only = prof["timed"] == "self CPU"  # then the two time columns would be the same
+        lines += ["", f"One step under torch.profiler ({prof['step_s']:.3f} s with the profiler on; {prof['timed']} "
+                  f"time summed over all ops {prof['busy_s']:.3f} s = {_pct(prof['busy_s'] / prof['step_s'])} of the "
+                  f"step), top {len(prof['top'])} by {prof['timed']} time:", "",
+                  f"| op | calls | {prof['timed']} ms |{'' if cpu_only else ' self CPU ms |'}",
+                  "|---|---|---|" + ("" if cpu_only else "---|")]
+        lines += [f"| `{r['name'].replace('|', '/')}` | {r['calls']} | {r['self_ms']:.2f} |"
+                  + ("" if cpu_only else f" {r['self_cpu_ms']:.2f} |") for r in prof["top"]]
+    return lines
+
+
+def render_kernels(s: dict, tokens: int) -> list[str]:
+    dense = s["dense"].get(tokens, {})
+    lines = ["", f"## Kernels at T = {tokens}", "",
+             f"Dense [T, D] x [D, 2F] GEMM in the same part: {dense.get('tflops', math.nan):.1f} TFLOP/s (the 'GEMM "
+             f"share' column); shape {dense.get('shape')}, mean document length {dense.get('doc_len')}. 'vs ref' and "
+             "'vs HF': the reference's and transformers' time / this row's (> 1 = faster); '~': one call only, "
+             "compilation included.", "",
+             "| op | impl | mode | ms | vs ref | vs HF | TFLOP/s | GEMM share | GB/s | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in [r for r in s["kernels"] if r["tokens"] == tokens]:
+        base = "reference+proj" if r["group"] == "cca+proj" else "reference"
+        ref, hf = (kernel_row(s, tokens, r["group"], name, r["mode"]) for name in (base, "transformers"))
+        lines.append(f"| {r['group']} | {r['impl']} | {r['mode']} | {'~' if r['calls'] == 0 else ''}{r['ms']:.3f} | "
+                     f"{_num(ref['ms'] / r['ms'] if ref else math.nan, '.2f')} | "
+                     f"{_num(hf['ms'] / r['ms'] if hf else math.nan, '.2f')} | {_num(r['tflops'], '.1f')} | "
+                     f"{_pct(r['share_gemm'])} | {_num(r['gbs'], '.0f')} | {r['note'] if r['mode'] == 'fwd' else ''} |")
+    return lines
+
+
+# ---------------------------------------------------------------- roofline estimate (no device)
+
+ROOFLINE = dict(gemm_tflops=790.0, fp32_tflops=67.0, hbm_tbs=4.8, efficiency=0.70)  # H200: measured GEMM, data sheet
+
+
+def roofline(layers: int = 4, tokens: int = 65536, doc_len: int = 1024, checkpointing: bool = True,
+             lm_head_dots: tuple[int, int] = LM_HEAD_SPLIT_DOTS, **rates) -> dict:
+    """The step of moepp_kernels_work.training_step_ops on the ZAYA1-8B layer shape against a roofline:
+    per op max(FLOPs / rate, bytes / bandwidth), and the step if every op ran at `efficiency` of its bound."""
+    r = {**ROOFLINE, **rates}
+    config = dataclasses.replace(FULL.config(), num_hidden_layers=layers)
+    docs = doc_lengths(tokens, doc_len, ragged=False)
+    routed = round(tokens * FULL.E / (FULL.E + 1))  # the probe's batches: replayed ids uniform over E + 1 classes
+    ops = training_step_ops(FULL, layers, docs, routed, checkpointing=checkpointing, lm_head_dots=lm_head_dots,
+                            optimizer=optimizer_shapes(config))
+    rows = []
+    for op in ops:
+        rate = (r["gemm_tflops"] if op.tensor_cores else r["fp32_tflops"]) * 1e12
+        compute_s, memory_s = op.flops / rate, op.bytes / (r["hbm_tbs"] * 1e12)
+        rows.append(dict(op=op, compute_s=compute_s, memory_s=memory_s, bound_s=max(compute_s, memory_s)))
+    model = model_step_flops(FULL, layers, docs, [routed] * layers)
+    bound = sum(row["bound_s"] for row in rows)
+    step = bound / r["efficiency"]
+    return dict(rows=rows, rates=r, layers=layers, tokens=sum(docs), docs=len(docs), routed=routed,
+                model_flops=model, bound_s=bound, step_s=step, mfu=model / step / (r["gemm_tflops"] * 1e12),
+                mfu_bound=model / bound / (r["gemm_tflops"] * 1e12), checkpointing=checkpointing,
+                lm_head_dots=lm_head_dots)
+
+
+def render_roofline() -> str:
+    base = roofline()
+    r, eff = base["rates"], base["rates"]["efficiency"]
+    ridge = r["gemm_tflops"] / r["hbm_tbs"]
+    lines = [
+        f"# Roofline estimate: ZAYA1-8B layer shape, {base['layers']} layers, {base['tokens']:,} tokens per step",
+        "",
+        f"Generated by `python bench/gpu_probe.py --roofline` ({datetime.date.today()}) from "
+        "`bench/moepp_kernels_work.py` (`training_step_ops`, `model_step_flops`); no device involved. One "
+        f"microbatch of {base['docs']} documents x {base['tokens'] // base['docs']} tokens, {base['routed']:,} "
+        "tokens routed to an expert per layer (the probe's batches: replayed ids uniform over E + 1 classes), "
+        "bf16 parameters, activation checkpointing of every layer (its forward runs twice), the LM head as the "
+        f"fp32-accurate split kernel executes it ({base['lm_head_dots'][0]} bf16 GEMM-equivalents of 2 T V D forward, "
+        f"{base['lm_head_dots'][1]} backward: `LM_HEAD_SPLIT_DOTS`), the Muon + AdamW step and the FSDP2 casts of "
+        "one rank.",
+        "",
+        f"Roofline of an H200: {r['gemm_tflops']:.0f} TFLOP/s bf16 tensor cores (the 8192^3 GEMM measured, "
+        f"784-792), {r['fp32_tflops']:.0f} TFLOP/s fp32 CUDA cores (data sheet; norms, convolutions, "
+        f"elementwise), {r['hbm_tbs']} TB/s HBM (data sheet). Ridge point {ridge:.0f} FLOP/B on tensor cores. "
+        f"Bound = max(FLOPs / rate, bytes / bandwidth) per op; the projection runs every op at {eff:.0%} of its "
+        "bound, one after another (no overlap). FLOPs and bytes are as executed (recomputation included); "
+        "'model' FLOPs are what MFU counts (3x the forward, LM head as one GEMM).",
+        "",
+        "| op | calls | executed GFLOP | model GFLOP | GB | FLOP/B | units | bound | bound ms | "
+        f"at {eff:.0%} ms | share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(base["rows"], key=lambda x: -x["bound_s"]):
+        op = row["op"]
+        kind = "compute" if row["compute_s"] >= row["memory_s"] else "memory"
+        lines.append(f"| {op.name} | {op.calls} | {op.flops / 1e9:,.1f} | {op.model_flops / 1e9:,.1f} | "
+                     f"{op.bytes / 1e9:,.2f} | {_num(op.flops / op.bytes if op.bytes else math.inf, '.0f')} | "
+                     f"{'tensor' if op.tensor_cores else 'fp32'} | {kind} | {row['bound_s'] * 1e3:.2f} | "
+                     f"{row['bound_s'] / eff * 1e3:.2f} | {_pct(row['bound_s'] / base['bound_s'])} |")
+    total_flops = sum(row["op"].flops for row in base["rows"])
+    total_bytes = sum(row["op"].bytes for row in base["rows"])
+    lines += [f"| **step** | | {total_flops / 1e9:,.0f} | {base['model_flops'] / 1e9:,.0f} | {total_bytes / 1e9:,.1f} "
+              f"| | | | {base['bound_s'] * 1e3:.1f} | {base['step_s'] * 1e3:.1f} | |", "",
+              f"**Projected step {base['step_s']:.3f} s ({base['tokens'] / base['step_s']:,.0f} tokens/s), MFU "
+              f"{_pct(base['mfu'])}** against the measured GEMM with every op at {eff:.0%} of its bound "
+              f"({_pct(base['mfu_bound'])} at 100%).", "",
+              "## What moves the projection", "",
+              f"| variant | step s at {eff:.0%} | MFU at {eff:.0%} | MFU at 100% |", "|---|---|---|---|"]
+    variants = [
+        ("as above", {}),
+        ("LM head gradients at bf16 level, logprobs still fp32-accurate (3 + 6)", dict(lm_head_dots=(3, 6))),
+        ("LM head in plain bf16 (1 + 2; not the fp32 op set, the transformers path)", dict(lm_head_dots=(1, 2))),
+        ("no activation checkpointing", dict(checkpointing=False)),
+        ("40 layers (ZAYA1-8B), split LM head", dict(layers=40)),
+    ]
+    for label, kw in variants:
+        v = roofline(**kw)
+        lines.append(f"| {label} | {v['step_s']:.3f} | {_pct(v['mfu'])} | {_pct(v['mfu_bound'])} |")
+    head = next(row for row in base["rows"] if row["op"].name == "lm_head")
+    full = roofline(layers=40)
+    full_head = next(row for row in full["rows"] if row["op"].name == "lm_head")
+    # The LM head's GEMM-equivalents (forward + backward) at which this step would reach the MFU goal at
+    # `eff` of every bound: the rest of the step is fixed, the head is compute-bound and linear in them.
+    per_dot = head["bound_s"] / sum(base["lm_head_dots"])
+    rest = base["bound_s"] - head["bound_s"]
+    dots = (base["model_flops"] / (MFU_GOAL * r["gemm_tflops"] * 1e12) * eff - rest) / per_dot
+    lines += ["", f"At {base['layers']} layers the LM head is {_pct(head['op'].model_flops / base['model_flops'])} of "
+              f"the model FLOPs and, executed as {sum(base['lm_head_dots'])} bf16 GEMM-equivalents where MFU counts 3, "
+              f"{_pct(head['bound_s'] / base['bound_s'])} of the bound; at 40 layers still "
+              f"{_pct(full_head['op'].model_flops / full['model_flops'])} and "
+              f"{_pct(full_head['bound_s'] / full['bound_s'])}. "
+              f"For MFU {MFU_GOAL:.0%} at {eff:.0%} of every bound this step's LM head must cost at most {dots:.1f} "
+              "GEMM-equivalents forward + backward (plain bf16 costs 3).",
+              "", "Not modelled: kernel launch overheads and gaps, host synchronisations, Triton compilation, L2 "
+              "re-reads of tiles, and overlap between ops."]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- main
+
+PARTS = {"env": part_env, "kernels": part_kernels, "trainer": part_trainer}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="folder of the results files")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI); no rate is a claim")
+    ap.add_argument("--roofline", action="store_true", help="write the roofline estimate of a 4-layer 64k step")
+    ap.add_argument("--budget-s", type=float, default=345.0, help="wall-clock budget of the whole probe")
+    ap.add_argument("--parts", nargs="+", choices=sorted({*PARTS, "gpu_tests"}), help="run only these parts")
+    ap.add_argument("--steps", type=int, help="timed trainer steps after the warm-up (default 3, 1 with --smoke)")
+    ap.add_argument("--doc-len", type=int, default=1024, help="mean document length of the kernel table")
+    ap.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)  # a child process: one part
+    ap.add_argument("--part-arg", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=math.inf, help=argparse.SUPPRESS)  # time.time() to stop by
+    args = ap.parse_args(argv)
+    if args.steps is None:
+        args.steps = 1 if args.smoke else 3
+    return args
+
+
+def child(args: argparse.Namespace) -> None:
+    emit = Rows(args.rows)
+    if args.smoke:
+        torch.set_num_threads(1)  # tiny shapes: one thread is faster, and CI shares its cores
+    try:
+        PARTS[args.part](args, emit)
+    except BaseException as exc:  # noqa: BLE001 - recorded, then the part's exit status says it failed
+        error_row(emit, args.part, exc)
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if head.returncode:
+        return "unknown (no git checkout)"
+    return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+
+def results_path(out: Path, device: str, smoke: bool) -> Path:
+    """out/<device>-<date>.md (smoke- in front for --smoke), -2, -3... when a run of that day exists."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "device"
+    stem = f"{'smoke-' if smoke else ''}{slug}-{datetime.date.today()}"
+    path, n = out / f"{stem}.md", 2
+    while path.exists():
+        path, n = out / f"{stem}-{n}.md", n + 1
+    return path
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    if args.part:
+        child(args)
+        return args.rows
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.roofline:
+        path = args.out / "roofline-zaya1-4layer-64k.md"
+        path.write_text(render_roofline())
+        print(path.read_text())
+        return path
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("gpu_probe: no CUDA device here; use --smoke for the CPU check of the probe itself")
+    start, deadline = time.monotonic(), time.monotonic() + args.budget_s
+    plan = [p for p in PLAN if args.parts is None or p[0] in args.parts]
+    parts: list[PartResult] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, arg, _) in enumerate(plan):
+            later = sum(share for _, _, share in plan[i + 1:])
+            timeout = deadline - time.monotonic() - later
+            if timeout < 5:
+                parts.append(PartResult(name, arg, "skipped: no time left", 0.0, []))
+                continue
+            rows = Path(tmp) / f"{i}-{name}.jsonl"
+            if name == "gpu_tests":
+                xml = Path(tmp) / "gpu_tests.xml"
+                result = run_part(name, arg, gpu_tests_command(xml), rows, timeout)
+                result.rows.append({"kind": "gpu_tests", **parse_junit(xml)})
+            else:
+                command = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--part-arg", arg, "--rows",
+                           str(rows), "--steps", str(args.steps), "--doc-len", str(args.doc_len),
+                           "--deadline", str(time.time() + timeout - 10)] + (["--smoke"] if args.smoke else [])
+                result = run_part(name, arg, command, rows, timeout)
+            parts.append(result)
+            print(f"# {name} {arg}: {result.status} in {result.seconds:.0f} s", flush=True)
+    summary = summarise(parts)
+    device = summary["env"].get("device", {}).get("name", "unknown device")
+    kernel_tokens = tuple(int(SMOKE_ARGS[t] if args.smoke else t) for t in ("16384", "65536"))
+    meta = dict(date=str(datetime.date.today()), smoke=args.smoke, commit=commit(), wall_s=time.monotonic() - start,
+                budget_s=args.budget_s, kernel_tokens=kernel_tokens,
+                command=" ".join(["python3", "bench/gpu_probe.py", *(argv if argv is not None else sys.argv[1:])]))
+    path = results_path(args.out, device, args.smoke)
+    path.write_text(render(summary, parts, meta))
+    twin = dict(meta=meta, summary=summary, goals=goals(summary, kernel_tokens),
+                parts=[dataclasses.asdict(p) | {"rows": None} for p in parts])
+    path.with_suffix(".json").write_text(json.dumps(twin, indent=1, default=str) + "\n")
+    for goal, measured, target, verdict in twin["goals"]:
+        print(f"{goal}: {measured} (target {target}) {verdict}")
+    print(f"wrote {path} and {path.with_suffix('.json').name}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
