@@ -194,24 +194,14 @@ def median_seconds(call: Callable[[], object], cuda: bool, iters: int = TIMED_CA
     """(median seconds, timed calls) of `call` after one first call (compilation, autotuning, the
     allocator's growth; errors surface there). A first call over FIRST_CALL_LIMIT_S is returned as it is
     with 0 timed calls: compilation included, an upper bound."""
-    def timed() -> float:
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        begin = time.perf_counter()
-        call()
-        return time.perf_counter() - begin
+    import moepp_kernels as mk
 
-    first = timed()
+    first = mk.elapsed_seconds(call, cuda)
     if first > FIRST_CALL_LIMIT_S:
         return first, 0
     times, deadline = [], time.perf_counter() + budget_s
     while len(times) < iters and (not times or time.perf_counter() < deadline):
-        times.append(timed())
+        times.append(mk.elapsed_seconds(call, cuda))
     return statistics.median(times), len(times)
 
 

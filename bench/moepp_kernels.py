@@ -114,31 +114,33 @@ def make_step(impl: Impl, mode: str) -> Callable[[], None]:
     return step
 
 
+def elapsed_seconds(call: Callable[[], object], cuda: bool) -> float:
+    """Seconds one call takes: between CUDA events on the current stream, or on the host clock."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    call()
+    return time.perf_counter() - begin
+
+
 def time_group(steps: Sequence[Callable[[], None]], iters: int, warmup: int, cuda: bool,
                budget_s: float = 20.0) -> list[float]:
     """Median seconds of each step, the steps run round-robin (they share the machine's noise).
     Slow groups get fewer iterations (at least 3) so that one group takes about `budget_s`."""
-    def timed(step: Callable[[], None]) -> float:
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        begin = time.perf_counter()
-        step()
-        return time.perf_counter() - begin
-
     last = [0.0] * len(steps)
     for i, step in enumerate(steps):
         for _ in range(warmup):
-            last[i] = timed(step)
+            last[i] = elapsed_seconds(step, cuda)
     rounds = max(min(iters, 3), min(iters, int(budget_s / max(sum(last), 1e-9))))
     times: list[list[float]] = [[] for _ in steps]
     for _ in range(rounds):
         for i, step in enumerate(steps):
-            times[i].append(timed(step))
+            times[i].append(elapsed_seconds(step, cuda))
     return [statistics.median(t) for t in times]
 
 

@@ -164,12 +164,18 @@ def _make_cpu_generators_rewindable(generators: dict[int, torch.Generator]) -> N
 
 
 def _cpu_moe_kernels(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """Module name -> MoE layer whose CPU kernel keeps a packed copy of the expert weights."""
+    """Module name -> MoE layer whose CPU kernel keeps a packed copy of the expert weights.
+
+    Every unquantized CPU kernel derives from vLLM's CPUUnquantizedExperts: the generic one and the
+    ISA-specific ones vLLM picks on x86 with AMX, on Arm and on POWER (X86CPUUnquantizedExperts, ...;
+    matching the class name's "CPU" prefix missed those, and an AMX machine kept serving the old experts
+    after an in-place update)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
     found = {}
     for name, module in model.named_modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__name__.startswith("CPU"):
+        if isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
             found[name] = module
     return found
 

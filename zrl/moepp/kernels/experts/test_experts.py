@@ -217,16 +217,22 @@ def test_no_host_sync_cuda(triton_only):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.gpu
-def test_bf16_error_within_reference_bf16_error_cuda(triton_only):
-    # Not measured yet (no GPU in the session that wrote it): the Triton bf16 path must be at most
-    # 2x as far from the fp32 result as the bf16 reference is, per output and gradient.
+def bf16_case_cuda():
+    """bf16 inputs on CUDA (the gate stays fp32), the fp32 reference's results on the same values and the
+    bf16 reference's relative errors against them: (low, ids, dy, exact, reference errors)."""
     ids = random_ids(512, 4, seed=6)
     leaves, ids, dy = make_inputs(512, 256, 192, 4, ids, "cuda")
     exact = run(moe_experts_reference, leaves, ids, dy)  # fp32
     low = [v.detach().to(torch.bfloat16 if v is not leaves[1] else torch.float32).requires_grad_()
            for v in leaves]
-    ref_err = rel_errors(run(moe_experts_reference, low, ids, dy), exact)
+    return low, ids, dy, exact, rel_errors(run(moe_experts_reference, low, ids, dy), exact)
+
+
+@pytest.mark.gpu
+def test_bf16_error_within_reference_bf16_error_cuda(triton_only):
+    # Not measured yet (no GPU in the session that wrote it): the Triton bf16 path must be at most
+    # 2x as far from the fp32 result as the bf16 reference is, per output and gradient.
+    low, ids, dy, exact, ref_err = bf16_case_cuda()
     tri_err = rel_errors(run(moe_experts, low, ids, dy), exact)
     for name in NAMES:
         assert tri_err[name] <= 2 * ref_err[name] + 1e-3, (name, tri_err, ref_err)
@@ -365,12 +371,7 @@ def test_auto_runs_grouped_mm_bf16_on_hopper_cuda(monkeypatch):
 
     def not_grouped_mm(*args):
         raise AssertionError("auto did not run torch._grouped_mm")
-    ids = random_ids(512, 4, seed=6)
-    leaves, ids, dy = make_inputs(512, 256, 192, 4, ids, "cuda")
-    exact = run(moe_experts_reference, leaves, ids, dy)  # fp32
-    low = [v.detach().to(torch.bfloat16 if v is not leaves[1] else torch.float32).requires_grad_()
-           for v in leaves]
-    ref_err = rel_errors(run(moe_experts_reference, low, ids, dy), exact)
+    low, ids, dy, exact, ref_err = bf16_case_cuda()
     monkeypatch.setattr(experts_op, "moe_experts_reference", not_grouped_mm)
     with use_backend("auto"):
         got_err = rel_errors(run(moe_experts, low, ids, dy), exact)

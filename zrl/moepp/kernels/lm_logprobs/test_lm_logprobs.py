@@ -381,3 +381,10 @@ def test_fp32_level_accuracy(device):
     # the bf16 weight gradient: the reference's error is half a bf16 step of its largest entry; where a
     # sum sits on a rounding boundary the two may round one step apart
     assert dw <= 3 * ref_dw, errors
+
+
+@pytest.mark.parametrize("field, value", [("block_t", 8), ("block_v", 48), ("block_d", 0), ("vocab_splits", 0)])
+def test_tiles_triton_cannot_compile_are_rejected(field, value):
+    sizes = dict(block_t=16, block_v=32, block_d=16)
+    with pytest.raises(ValueError, match=f"TileConfig.{field} must be"):
+        TileConfig(**{**sizes, field: value})
