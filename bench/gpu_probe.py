@@ -31,7 +31,8 @@ Recomputation (activation checkpointing, an LM head split into several bf16 prod
 --smoke   the same parts on CPU with tiny shapes (tests/unit/test_gpu_probe.py runs it); its rates
           are not claims about anything.
 --roofline  writes bench/results/roofline-zaya1-4layer-64k.md: FLOPs and bytes per op of a 4-layer,
-          64k-token step (moepp_kernels_work.training_step_ops) against an H200's roofline; no device.
+          64k-token step (bench/roofline.py, from moepp_kernels_work.training_step_ops) against an H200's
+          roofline; no device.
 
 The device machine has torch and Triton only (no vLLM, no Ray; the probe blocks both imports, so any
 run, a CPU one included, shows it needs neither) and no network. Wheels to install there (CPython 3.12,
@@ -75,8 +76,8 @@ sys.path.insert(0, str(ROOT / "bench"))  # moepp_kernels and its work formulas, 
 
 import torch  # noqa: E402
 
-from moepp_kernels_work import (FULL, LM_HEAD_SPLIT_DOTS, Shape, attention_work, doc_lengths,  # noqa: E402
-                                model_step_flops, optimizer_shapes, training_step_ops)
+from moepp_kernels_work import FULL, Shape, attention_work, doc_lengths, model_step_flops  # noqa: E402
+from roofline import MFU_GOAL, _num, _pct, render_roofline  # noqa: E402
 
 # (part, argument, seconds it is planned to take): most important first; a later part gets what an
 # earlier one leaves unused. The sum is the default --budget-s less process start-ups.
@@ -92,7 +93,7 @@ OPS_LARGE = ("experts", "lm_logprobs", "attention", "cca", "router", "residual_n
 FIRST_CALL_LIMIT_S = 20.0  # a first call (compilation included) slower than this is not repeated
 SLOW_FORWARD_S = 5.0  # an implementation whose forward is slower than this is not run forward + backward
 TIMED_CALLS, CALL_BUDGET_S = 5, 0.5  # per implementation and mode, after the first call
-GEMM_GOAL, MFU_GOAL = 0.70, 0.30
+GEMM_GOAL = 0.70
 
 
 # ---------------------------------------------------------------- running parts in child processes
@@ -517,16 +518,8 @@ def goals(s: dict, kernel_tokens: tuple[int, int]) -> list[tuple[str, str, str, 
     return rows
 
 
-def _pct(x: float) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
-
-
 def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n:,.0f}"
-
-
-def _num(x: float, spec: str) -> str:
-    return "-" if x is None or not math.isfinite(x) else format(x, spec)
 
 
 def render(s: dict, parts: list[PartResult], meta: dict) -> str:
@@ -613,108 +606,6 @@ def render_kernels(s: dict, tokens: int) -> list[str]:
                      f"{_num(hf['ms'] / r['ms'] if hf else math.nan, '.2f')} | {_num(r['tflops'], '.1f')} | "
                      f"{_pct(r['share_gemm'])} | {_num(r['gbs'], '.0f')} | {r['note'] if r['mode'] == 'fwd' else ''} |")
     return lines
-
-
-# ---------------------------------------------------------------- roofline estimate (no device)
-
-ROOFLINE = dict(gemm_tflops=790.0, fp32_tflops=67.0, hbm_tbs=4.8, efficiency=0.70)  # H200: measured GEMM, data sheet
-
-
-def roofline(layers: int = 4, tokens: int = 65536, doc_len: int = 1024, checkpointing: bool = True,
-             lm_head_dots: tuple[int, int] = LM_HEAD_SPLIT_DOTS, **rates) -> dict:
-    """The step of moepp_kernels_work.training_step_ops on the ZAYA1-8B layer shape against a roofline:
-    per op max(FLOPs / rate, bytes / bandwidth), and the step if every op ran at `efficiency` of its bound."""
-    r = {**ROOFLINE, **rates}
-    config = dataclasses.replace(FULL.config(), num_hidden_layers=layers)
-    docs = doc_lengths(tokens, doc_len, ragged=False)
-    routed = round(tokens * FULL.E / (FULL.E + 1))  # the probe's batches: replayed ids uniform over E + 1 classes
-    ops = training_step_ops(FULL, layers, docs, routed, checkpointing=checkpointing, lm_head_dots=lm_head_dots,
-                            optimizer=optimizer_shapes(config))
-    rows = []
-    for op in ops:
-        rate = (r["gemm_tflops"] if op.tensor_cores else r["fp32_tflops"]) * 1e12
-        compute_s, memory_s = op.flops / rate, op.bytes / (r["hbm_tbs"] * 1e12)
-        rows.append(dict(op=op, compute_s=compute_s, memory_s=memory_s, bound_s=max(compute_s, memory_s)))
-    model = model_step_flops(FULL, layers, docs, [routed] * layers)
-    bound = sum(row["bound_s"] for row in rows)
-    step = bound / r["efficiency"]
-    return dict(rows=rows, rates=r, layers=layers, tokens=sum(docs), docs=len(docs), routed=routed,
-                model_flops=model, bound_s=bound, step_s=step, mfu=model / step / (r["gemm_tflops"] * 1e12),
-                mfu_bound=model / bound / (r["gemm_tflops"] * 1e12), checkpointing=checkpointing,
-                lm_head_dots=lm_head_dots)
-
-
-def render_roofline() -> str:
-    base = roofline()
-    r, eff = base["rates"], base["rates"]["efficiency"]
-    ridge = r["gemm_tflops"] / r["hbm_tbs"]
-    lines = [
-        f"# Roofline estimate: ZAYA1-8B layer shape, {base['layers']} layers, {base['tokens']:,} tokens per step",
-        "",
-        f"Generated by `python bench/gpu_probe.py --roofline` ({datetime.date.today()}) from "
-        "`bench/moepp_kernels_work.py` (`training_step_ops`, `model_step_flops`); no device involved. One "
-        f"microbatch of {base['docs']} documents x {base['tokens'] // base['docs']} tokens, {base['routed']:,} "
-        "tokens routed to an expert per layer (the probe's batches: replayed ids uniform over E + 1 classes), "
-        "bf16 parameters, activation checkpointing of every layer (its forward runs twice), the LM head as the "
-        f"fp32-accurate split kernel executes it ({base['lm_head_dots'][0]} bf16 GEMM-equivalents of 2 T V D forward, "
-        f"{base['lm_head_dots'][1]} backward: `LM_HEAD_SPLIT_DOTS`), the Muon + AdamW step and the FSDP2 casts of "
-        "one rank.",
-        "",
-        f"Roofline of an H200: {r['gemm_tflops']:.0f} TFLOP/s bf16 tensor cores (the 8192^3 GEMM measured, "
-        f"784-792), {r['fp32_tflops']:.0f} TFLOP/s fp32 CUDA cores (data sheet; norms, convolutions, "
-        f"elementwise), {r['hbm_tbs']} TB/s HBM (data sheet). Ridge point {ridge:.0f} FLOP/B on tensor cores. "
-        f"Bound = max(FLOPs / rate, bytes / bandwidth) per op; the projection runs every op at {eff:.0%} of its "
-        "bound, one after another (no overlap). FLOPs and bytes are as executed (recomputation included); "
-        "'model' FLOPs are what MFU counts (3x the forward, LM head as one GEMM).",
-        "",
-        "| op | calls | executed GFLOP | model GFLOP | GB | FLOP/B | units | bound | bound ms | "
-        f"at {eff:.0%} ms | share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in sorted(base["rows"], key=lambda x: -x["bound_s"]):
-        op = row["op"]
-        kind = "compute" if row["compute_s"] >= row["memory_s"] else "memory"
-        lines.append(f"| {op.name} | {op.calls} | {op.flops / 1e9:,.1f} | {op.model_flops / 1e9:,.1f} | "
-                     f"{op.bytes / 1e9:,.2f} | {_num(op.flops / op.bytes if op.bytes else math.inf, '.0f')} | "
-                     f"{'tensor' if op.tensor_cores else 'fp32'} | {kind} | {row['bound_s'] * 1e3:.2f} | "
-                     f"{row['bound_s'] / eff * 1e3:.2f} | {_pct(row['bound_s'] / base['bound_s'])} |")
-    total_flops = sum(row["op"].flops for row in base["rows"])
-    total_bytes = sum(row["op"].bytes for row in base["rows"])
-    lines += [f"| **step** | | {total_flops / 1e9:,.0f} | {base['model_flops'] / 1e9:,.0f} | {total_bytes / 1e9:,.1f} "
-              f"| | | | {base['bound_s'] * 1e3:.1f} | {base['step_s'] * 1e3:.1f} | |", "",
-              f"**Projected step {base['step_s']:.3f} s ({base['tokens'] / base['step_s']:,.0f} tokens/s), MFU "
-              f"{_pct(base['mfu'])}** against the measured GEMM with every op at {eff:.0%} of its bound "
-              f"({_pct(base['mfu_bound'])} at 100%).", "",
-              "## What moves the projection", "",
-              f"| variant | step s at {eff:.0%} | MFU at {eff:.0%} | MFU at 100% |", "|---|---|---|---|"]
-    variants = [
-        ("as above", {}),
-        ("LM head gradients at bf16 level, logprobs still fp32-accurate (3 + 6)", dict(lm_head_dots=(3, 6))),
-        ("LM head in plain bf16 (1 + 2; not the fp32 op set, the transformers path)", dict(lm_head_dots=(1, 2))),
-        ("no activation checkpointing", dict(checkpointing=False)),
-        ("40 layers (ZAYA1-8B), split LM head", dict(layers=40)),
-    ]
-    for label, kw in variants:
-        v = roofline(**kw)
-        lines.append(f"| {label} | {v['step_s']:.3f} | {_pct(v['mfu'])} | {_pct(v['mfu_bound'])} |")
-    head = next(row for row in base["rows"] if row["op"].name == "lm_head")
-    full = roofline(layers=40)
-    full_head = next(row for row in full["rows"] if row["op"].name == "lm_head")
-    # The LM head's GEMM-equivalents (forward + backward) at which this step would reach the MFU goal at
-    # `eff` of every bound: the rest of the step is fixed, the head is compute-bound and linear in them.
-    per_dot = head["bound_s"] / sum(base["lm_head_dots"])
-    rest = base["bound_s"] - head["bound_s"]
-    dots = (base["model_flops"] / (MFU_GOAL * r["gemm_tflops"] * 1e12) * eff - rest) / per_dot
-    lines += ["", f"At {base['layers']} layers the LM head is {_pct(head['op'].model_flops / base['model_flops'])} of "
-              f"the model FLOPs and, executed as {sum(base['lm_head_dots'])} bf16 GEMM-equivalents where MFU counts 3, "
-              f"{_pct(head['bound_s'] / base['bound_s'])} of the bound; at 40 layers still "
-              f"{_pct(full_head['op'].model_flops / full['model_flops'])} and "
-              f"{_pct(full_head['bound_s'] / full['bound_s'])}. "
-              f"For MFU {MFU_GOAL:.0%} at {eff:.0%} of every bound this step's LM head must cost at most {dots:.1f} "
-              "GEMM-equivalents forward + backward (plain bf16 costs 3).",
-              "", "Not modelled: kernel launch overheads and gaps, host synchronisations, Triton compilation, L2 "
-              "re-reads of tiles, and overlap between ops."]
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- main

@@ -60,7 +60,10 @@ _FINITE_MIN = tl.constexpr(-3.0e38)  # running-max start: finite, so 0 * (m_old 
 @triton.jit
 def _mma(a, b, acc, INTERPRET: tl.constexpr):
     """acc + a @ b: 16-bit operands, fp32 accumulation on the tensor cores."""
-    if INTERPRET:  # the interpreter's 16-bit dot is wrong; 16-bit values are exact in fp32
+    if INTERPRET:
+        # CPU interpreter only (a compile-time constant: a GPU compile never contains this branch).
+        # Its 16-bit dot is wrong, and 16-bit values are exact in fp32, so an fp32 dot of the same parts
+        # gives the products the tensor cores form.
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)
