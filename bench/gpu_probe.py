@@ -50,6 +50,7 @@ import dataclasses
 import datetime
 import gc
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -79,10 +80,12 @@ import torch  # noqa: E402
 from moepp_kernels_work import FULL, Shape, attention_work, doc_lengths, model_step_flops  # noqa: E402
 from roofline import MFU_GOAL, _num, _pct, render_roofline  # noqa: E402
 
+from zrl.moepp.kernels import AUTO_ON_CUDA  # noqa: E402
+
 # (part, argument, seconds it is planned to take): most important first; a later part gets what an
 # earlier one leaves unused. The sum is the default --budget-s less process start-ups.
-PLAN = (("env", "", 20), ("trainer", "4", 80), ("kernels", "16384", 70), ("kernels", "65536", 50),
-        ("trainer", "8", 50), ("gpu_tests", "", 70))
+PLAN = (("env", "", 20), ("trainer", "4", 70), ("kernels", "16384", 70), ("kernels", "65536", 45),
+        ("trainer", "8", 45), ("gpu_tests", "", 90))
 SMOKE_ARGS = {"16384": "64", "65536": "128"}  # --smoke: kernel token counts on the tiny shape
 SMOKE_SHAPE = Shape(D=32, E=4, F=16, Hq=4, Hk=2, d=8, R=16, V=64, rotary=4)
 # The kernel part's ops, most important first; above OPS_ALL_UP_TO tokens the experts come first (their
@@ -94,6 +97,9 @@ FIRST_CALL_LIMIT_S = 20.0  # a first call (compilation included) slower than thi
 SLOW_FORWARD_S = 5.0  # an implementation whose forward is slower than this is not run forward + backward
 TIMED_CALLS, CALL_BUDGET_S = 5, 0.5  # per implementation and mode, after the first call
 GEMM_GOAL = 0.70
+# The fp32-level LM head does 12 bf16 GEMM-equivalents forward + backward where transformers' bf16 head
+# does 3: at equal GEMM efficiency it runs at 1/4 of that head's speed.
+LM_HEAD_GOAL = 0.25
 
 
 # ---------------------------------------------------------------- running parts in child processes
@@ -406,8 +412,11 @@ def profile_step(worker, batch, cuda: bool, emit: Rows, top: int = 20) -> None:
 # ---------------------------------------------------------------- part: gpu tests
 
 def gpu_tests_command(xml: Path) -> list[str]:
+    # In 8 processes where pytest-xdist is installed: one process compiled 29 of the ~170 tests' kernels in
+    # 74 s (H200, 2026-11-27); the GPU has room for eight.
+    workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []
     return [sys.executable, "-m", "pytest", "-m", "gpu", "zrl/moepp/kernels", "-q", "-p", "no:cacheprovider",
-            f"--junitxml={xml}"]
+            *workers, f"--junitxml={xml}"]
 
 
 def parse_junit(xml: Path) -> dict:
@@ -494,10 +503,11 @@ def goals(s: dict, kernel_tokens: tuple[int, int]) -> list[tuple[str, str, str, 
                             if run else "")
     rows.append(("MFU fwd+bwd, 4 layers x ~64k tokens", measured, f">= {MFU_GOAL:.0%}",
                  verdict(None if math.isnan(mfu) else mfu >= MFU_GOAL)))
+    head = AUTO_ON_CUDA["lm_logprobs"]  # what the trainer runs; its fp32-level accuracy costs ~4x a bf16 head
     for mode in ("fwd", "fwd+bwd"):
-        r = ratio("lm_logprobs", "transformers", "triton", mode, small)
-        rows.append((f"LM head {mode} at {small}: transformers ms / triton ms", _num(r, ".2f") + "x", ">= 1x",
-                     verdict(None if math.isnan(r) else r >= 1.0)))
+        r = ratio("lm_logprobs", "transformers", head, mode, small)
+        rows.append((f"LM head {mode} at {small}: transformers (bf16) ms / {head} ms", _num(r, ".2f") + "x",
+                     f">= {LM_HEAD_GOAL}x", verdict(None if math.isnan(r) else r >= LM_HEAD_GOAL)))
     for tokens in (small, large):
         shares = {impl: kernel_row(s, tokens, "experts", impl, "fwd") for impl in ("triton", "grouped_mm")}
         text = ", ".join(f"{impl} {_pct(r['share_gemm'] if r else math.nan)}" for impl, r in shares.items())

@@ -11,6 +11,8 @@ router latent R 256, V 262,272) against, in the same run and with the same weigh
                 ZayaDecoderLayer; the LM head as lm_head + log_softmax + gather)
   grouped_mm    for the experts: torch._grouped_mm for both expert GEMMs (sort, grouped GEMM, SwiGLU,
                 grouped GEMM, unsort); transformers' own grouped_mm experts path too on CUDA
+  library       for the LM head: its library formulation (lm_logprobs/library.py: the reference's chunks
+                with every product a sum of bf16 cuBLAS GEMMs on exact parts of the fp32 operands)
 Rows are grouped: "vs ref" and "vs HF" are speed-ups (baseline time / row time, > 1 = faster) against
 the group's reference and transformers rows. TFLOP/s and GB/s use the formulas of moepp_kernels_work.py
 (useful work: routed tokens only, causal attention half, no recomputation), and "%pk" is the share of
@@ -54,7 +56,7 @@ from moepp_kernels_work import (FULL, SMALL, Shape, Work, cca_work, dense_gemm_f
                                 residual_norm_work, router_work)
 
 KERNELS = ("experts", "router", "residual_norm", "cca", "lm_logprobs", "layer")
-IMPLS = ("reference", "triton", "transformers", "grouped_mm")
+IMPLS = ("reference", "triton", "transformers", "grouped_mm", "library")
 GOAL_TOKENS, GOAL_FRACTION = 16384, 0.70
 
 
@@ -361,6 +363,11 @@ def lm_logprobs_groups(ctx: Ctx, tokens: int) -> list[Group]:
     targets = torch.randint(0, s.V, (tokens,), generator=ctx.gen).to(ctx.device)
     leaves = [hidden, weight]
     impls = _backends(ctx, _op("lm_logprobs", "token_logprobs"), lambda op: op(hidden, weight, targets)[0], leaves)
+    if "library" in ctx.impls:
+        from zrl.moepp.kernels.lm_logprobs.library import token_logprobs_library
+
+        impls.append(Impl("library", lambda: token_logprobs_library(hidden, weight, targets, chunk_tokens=None,
+                                                                    with_entropy=False)[0], leaves))
     note = ""
     if "transformers" in ctx.impls and ctx.hf is not None:
         # lm_head in the weight dtype, then log_softmax in fp32: [T, V] logits, their fp32 copy, the
@@ -445,8 +452,10 @@ def _hf_layer(ctx: Ctx, layer: torch.nn.Module, x: torch.Tensor, state: torch.Te
     rotary = ctx.hf.ZayaRotaryEmbedding(config, device=ctx.device)
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = x.view(rows, seq, -1)
-        return hf_layer(hidden, state.view(rows, seq, -1), attention_mask={"causal": None, "conv": None},
+        # transformers' layer takes its stream and router state in the parameters' dtype (an fp32 stream
+        # with bf16 weights fails there: fp32 q/k against a bf16 v in SDPA)
+        hidden = x.to(ctx.dtype).view(rows, seq, -1)
+        return hf_layer(hidden, state.to(ctx.dtype).view(rows, seq, -1), attention_mask={"causal": None, "conv": None},
                         position_embeddings=rotary(hidden, positions, "hybrid"))
 
     return Impl("transformers", run, [x, state, *hf_layer.parameters()])

@@ -139,7 +139,7 @@ def test_summarise_and_goals_from_rows():
                                                           {"kind": "trainer_step", **step}]),
              probe.PartResult("kernels", "16", "ok", 1.0, [
                  {"kind": "kernel", "tokens": 16, "group": "lm_logprobs", "impl": impl, "mode": "fwd", "ms": ms,
-                  "share_gemm": 0.5} for impl, ms in (("triton", 2.0), ("transformers", 3.0))]
+                  "share_gemm": 0.5} for impl, ms in (("library", 2.0), ("triton", 9.0), ("transformers", 3.0))]
               + [{"kind": "kernel", "tokens": 16, "group": "experts", "impl": "grouped_mm", "mode": "fwd", "ms": 1.0,
                   "share_gemm": 0.75}, {"kind": "error", "where": "cca triton fwd", "error": "OutOfMemoryError: x"}])]
     s = probe.summarise(parts)
@@ -149,7 +149,8 @@ def test_summarise_and_goals_from_rows():
     assert s["errors"] == ["kernels 16: cca triton fwd: OutOfMemoryError: x"]
     rows = {g[0]: g for g in probe.goals(s, (16, 64))}
     assert rows["MFU fwd+bwd, 4 layers x ~64k tokens"][1:] == ("30.0% (30 TFLOP/s)", ">= 30%", "met")
-    assert rows["LM head fwd at 16: transformers ms / triton ms"][1] == "1.50x"
+    # the LM head that CUDA runs ("library"), against transformers' bf16 head
+    assert rows["LM head fwd at 16: transformers (bf16) ms / library ms"][1:] == ("1.50x", ">= 0.25x", "met")
     assert rows["experts fwd share of the dense GEMM at 16"][3] == "met"
     assert rows["experts fwd share of the dense GEMM at 64"][3] == "-"  # not measured, not a verdict
     assert rows["`gpu` tests"][1] == "not run"
@@ -173,7 +174,7 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
         assert {"lm_logprobs", "experts", "cca", "cca+proj", "layer", "layer ragged", "attention", "attention equal",
                 "router", "residual_norm"} <= groups
         impls = {r["impl"] for r in s["kernels"] if r["tokens"] == tokens}
-        assert {"reference", "transformers", "grouped_mm"} <= impls  # triton runs on CUDA only
+        assert {"reference", "transformers", "grouped_mm", "library"} <= impls  # triton runs on CUDA only
     for layers in ("4", "8"):
         run = s["trainer"][layers]
         assert len(run["steps"]) == 2 and run["summary"]["tokens_per_s"] > 0 and len(run["profile"]["top"]) == 20

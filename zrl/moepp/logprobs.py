@@ -55,7 +55,10 @@ import dataclasses
 
 import torch
 
+from zrl.moepp.kernels import resolve
 from zrl.moepp.kernels.lm_logprobs import default_chunk_tokens, token_logprobs
+from zrl.moepp.kernels.lm_logprobs.library import SplitProducts
+from zrl.moepp.kernels.lm_logprobs.reference import Fp32Products
 from zrl.moepp.precision import Fp32Op, to_op_dtype
 
 __all__ = ["SamplingDistribution", "chunked_token_logprobs", "default_chunk_tokens", "filtered_out",
@@ -116,9 +119,12 @@ def support_floor(hidden: torch.Tensor, weight: torch.Tensor, sampling: Sampling
 
     hidden [T, D] must already be divided by the temperature (the filters act on tempered logits).
     """
-    w32 = to_op_dtype(weight, Fp32Op.LM_HEAD)  # [V, D]
+    # fp32 logits as the LM head's own path forms them: bf16 cuBLAS GEMMs on exact parts where CUDA runs
+    # its library formulation, fp32 matmuls elsewhere
+    products = SplitProducts if resolve("lm_logprobs", hidden) == "library" else Fp32Products
+    head = products(to_op_dtype(hidden, Fp32Op.LM_HEAD), weight)
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
-    floors = [_floor(to_op_dtype(h, Fp32Op.LM_HEAD) @ w32.t(), sampling) for h in hidden.split(chunk)]
+    floors = [_floor(head.logits(slice(i, i + chunk)), sampling) for i in range(0, hidden.shape[0], chunk)]
     return torch.cat(floors) if floors else hidden.new_empty(0, dtype=torch.float32)
 
 

@@ -33,13 +33,14 @@ _chosen: str | None = None  # set_backend's value; None = read the environment
 
 # What "auto" runs for CUDA tensors, per op, from fwd+bwd timings on one H200 (torch 2.11, Triton
 # 3.6; the op's README, "Choice on CUDA", has the figures). "library" = the op's library formulation
-# (experts: torch._grouped_mm) where the op's inputs suit it, else the reference.
+# (experts: torch._grouped_mm; lm_logprobs: the reference's chunks with bf16 cuBLAS GEMMs on exact parts
+# of the fp32 operands) where the op's inputs suit it, else the reference.
 AUTO_ON_CUDA = {
     "experts": "library",  # grouped_mm 5.0 / 16.8 ms vs Triton 7.4 / 25.3 ms at 16k / 64k tokens
     "cca": "reference",  # reference 2.1 / 6.9 ms vs Triton 3.3 / 15.0 ms (fwd / fwd+bwd, 16k tokens)
-    # Measured before its move onto tensor cores: Triton 1,621 / 8,263 ms vs reference 387 / 1,563 ms
-    # (fwd / fwd+bwd, V 262,272, 16k tokens). Kept on Triton for the tensor-core kernel: re-measure.
-    "lm_logprobs": "triton",
+    # Triton (tensor-core split kernel) 445 / 2,424 ms vs the fp32 reference 385 / 1,535 ms (fwd /
+    # fwd+bwd, V 262,272, 16k tokens, 2026-11-27): the library formulation replaces both
+    "lm_logprobs": "library",
     "router": "triton",  # not yet timed on a GPU: nothing shows it losing
     "residual_norm": "triton",  # not yet timed on a GPU: nothing shows it losing
 }

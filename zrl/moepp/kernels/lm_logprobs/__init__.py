@@ -1,11 +1,13 @@
 """LM head + log-softmax gather: per-token log-probabilities (and entropy) without [T, V] logits.
 
 `token_logprobs` is the public op; it validates its inputs and dispatches (zrl.moepp.kernels) to
-the fused Triton kernels (triton_kernel.py: tensor-core dots on exact bf16 parts of the fp32 operands,
-the vocabulary streamed in tiles with an online log-sum-exp, so no [T, V] block exists in any dtype) or to the chunked PyTorch reference
-(reference.py, the definition: [c, V] fp32 blocks). Both compute the LM head and the log-softmax in
-fp32 (LM_HEAD, LOGPROB of the FP32 op set) and take the same arguments; `chunk_tokens` only sizes the
-reference's blocks (the Triton path never holds more than one [BLOCK_T, BLOCK_V] tile per program).
+the chunked PyTorch reference (reference.py, the definition: [c, V] fp32 blocks), its library
+formulation (library.py: the same chunks with every product a sum of bf16 cuBLAS GEMMs on exact bf16
+parts of the fp32 operands; what "auto" runs on CUDA) or the fused Triton kernels (triton_kernel.py:
+the same parts in tensor-core dots, the vocabulary streamed in tiles with an online log-sum-exp, so no
+[T, V] block exists in any dtype). All compute the LM head and the log-softmax at fp32 accuracy
+(LM_HEAD, LOGPROB of the FP32 op set) and take the same arguments; `chunk_tokens` only sizes the
+chunked paths' blocks (the Triton path never holds more than one [BLOCK_T, BLOCK_V] tile per program).
 
 An optional per-token logit floor restricts each token's softmax to the logits not below it (and its
 target): the primitive under which zrl.moepp.logprobs reproduces a sampler's top-k / top-p / min-p
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from zrl.moepp.kernels import use_triton
+from zrl.moepp.kernels import resolve
+from zrl.moepp.kernels.lm_logprobs.library import token_logprobs_library
 from zrl.moepp.kernels.lm_logprobs.reference import default_chunk_tokens, token_logprobs_reference
 
 __all__ = ["default_chunk_tokens", "token_logprobs"]
@@ -49,12 +52,14 @@ def token_logprobs(
             raise ValueError(f"logit_floor must be [T] = {tuple(targets.shape)}, got {tuple(logit_floor.shape)}")
         logit_floor = logit_floor.detach().to(torch.float32)
     targets = targets.to(torch.int64)
-    if use_triton(hidden, "lm_logprobs"):
+    choice = resolve("lm_logprobs", hidden)
+    if choice == "triton":
         from zrl.moepp.kernels.lm_logprobs.triton_kernel import token_logprobs_triton
 
         logprob, entropy = token_logprobs_triton(hidden, weight, targets, with_entropy=with_entropy,
                                                  floor=logit_floor)
     else:
-        logprob, entropy = token_logprobs_reference(hidden, weight, targets, chunk_tokens=chunk_tokens,
-                                                    with_entropy=with_entropy, floor=logit_floor)
+        chunked = token_logprobs_library if choice == "library" else token_logprobs_reference
+        logprob, entropy = chunked(hidden, weight, targets, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                                   floor=logit_floor)
     return logprob, (entropy if with_entropy else None)

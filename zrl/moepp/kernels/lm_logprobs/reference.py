@@ -39,16 +39,39 @@ def supported(logits: torch.Tensor, floor: torch.Tensor, targets: torch.Tensor) 
     return keep.scatter_(1, safe, keep.gather(1, safe) | (targets >= 0)[:, None])
 
 
+class Fp32Products:
+    """The LM head's three products, each an fp32 matmul (LM_HEAD of the FP32 op set): the definition.
+    Another formulation of the same products (library.py) plugs into `_ChunkedTokenLogprobs` here."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor) -> None:
+        self.hidden, self.weight = hidden, to_op_dtype(weight, Fp32Op.LM_HEAD)  # [T, D], [V, D]
+
+    def logits(self, sl: slice) -> torch.Tensor:
+        """[c, V] fp32 logits of the tokens in `sl`."""
+        return to_op_dtype(self.hidden[sl], Fp32Op.LM_HEAD) @ self.weight.t()
+
+    def grad_hidden(self, grad_logits: torch.Tensor) -> torch.Tensor:
+        """[c, D] fp32: grad_logits [c, V] @ W."""
+        return grad_logits @ self.weight
+
+    def new_grad_weight(self) -> torch.Tensor:
+        return torch.zeros(self.weight.shape, dtype=torch.float32, device=self.weight.device)
+
+    def add_grad_weight(self, grad_weight: torch.Tensor, grad_logits: torch.Tensor, sl: slice) -> None:
+        """grad_weight [V, D] fp32 += grad_logits^T @ hidden[sl]."""
+        grad_weight.addmm_(grad_logits.t(), to_op_dtype(self.hidden[sl], Fp32Op.LM_HEAD))
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                floor: torch.Tensor | None, chunk_tokens: int, with_entropy: bool):
-        w32 = to_op_dtype(weight, Fp32Op.LM_HEAD)  # [V, D]
+                floor: torch.Tensor | None, chunk_tokens: int, with_entropy: bool, products: type = Fp32Products):
+        head = products(hidden, weight)
         logprobs, lses, means, entropies = [], [], [], []
         for start in range(0, hidden.shape[0], chunk_tokens):
             sl = slice(start, start + chunk_tokens)
             y = targets[sl]
-            logits = to_op_dtype(hidden[sl], Fp32Op.LM_HEAD) @ w32.t()  # [c, V]
+            logits = head.logits(sl)  # [c, V]
             keep = None if floor is None else supported(logits, floor[sl], y)
             if keep is not None:
                 logits.masked_fill_(~keep, float("-inf"))
@@ -69,16 +92,16 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         entropy = torch.cat(entropies) if with_entropy else None
         saved_mean = torch.cat(means) if with_entropy else lse.new_empty(0)
         ctx.save_for_backward(hidden, weight, targets, lse, saved_mean, floor)
-        ctx.chunk_tokens, ctx.with_entropy = chunk_tokens, with_entropy
+        ctx.chunk_tokens, ctx.with_entropy, ctx.products = chunk_tokens, with_entropy, products
         return logprob, (entropy if with_entropy else lse.new_zeros(0))
 
     @staticmethod
     def backward(ctx, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         hidden, weight, targets, lse, mean_logit, floor = ctx.saved_tensors
         c = ctx.chunk_tokens
-        w32 = to_op_dtype(weight, Fp32Op.LM_HEAD)
+        head = ctx.products(hidden, weight)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_w = torch.zeros_like(w32) if need_w else None
+        grad_w = head.new_grad_weight() if need_w else None
         grad_h = []
         if grad_logprob is None:
             grad_logprob = lse.new_zeros(lse.shape)
@@ -86,8 +109,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         use_entropy = ctx.with_entropy and grad_entropy is not None and grad_entropy.numel() > 0
         for start in range(0, hidden.shape[0], c):
             sl = slice(start, start + c)
-            h32 = to_op_dtype(hidden[sl], Fp32Op.LM_HEAD)  # [c, D]
-            logits = h32 @ w32.t()  # [c, V]
+            logits = head.logits(sl)  # [c, V]
             dropped = None if floor is None else ~supported(logits, floor[sl], targets[sl])
             g_lp = grad_logprob[sl, None]  # [c, 1]
             # In place on the [c, V] block to keep one allocation per chunk (the logits stay finite
@@ -105,12 +127,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_logits.mul_(-g_lp)
             grad_logits.scatter_add_(1, targets[sl].clamp_min(0)[:, None], g_lp)
             if need_h:
-                grad_h.append(grad_logits @ w32)
+                grad_h.append(head.grad_hidden(grad_logits))
             if need_w:
-                grad_w.addmm_(grad_logits.t(), h32)
+                head.add_grad_weight(grad_w, grad_logits, sl)
         out_h = torch.cat(grad_h).to(hidden.dtype) if need_h else None
         out_w = grad_w.to(weight.dtype) if need_w else None
-        return out_h, out_w, None, None, None, None
+        return out_h, out_w, None, None, None, None, None
 
 
 def token_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from zrl.moepp.kernels import interpreting
+from zrl.moepp.kernels.lm_logprobs.library import split_parts
 
 _FINITE_MIN = tl.constexpr(-3.0e38)  # running-max start: finite, so 0 * (m_old - m_new) stays 0 on the first tile
 
@@ -365,15 +366,6 @@ def _vocab_splits(cfg: TileConfig, device: torch.device, t_blocks: int, v_tiles:
 def native_16bit(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the dots take the inputs as they are (one 16-bit dtype) rather than split into bf16 parts."""
     return hidden.dtype == weight.dtype and hidden.dtype in (torch.float16, torch.bfloat16)
-
-
-def split_parts(x: torch.Tensor) -> torch.Tensor:
-    """[3, *x.shape] bf16 parts summing exactly to x in fp32 (x fp32 or narrower; 3 x 8 significant bits)."""
-    x = x.float()
-    hi = x.to(torch.bfloat16)
-    rest = x - hi.float()
-    mid = rest.to(torch.bfloat16)
-    return torch.stack([hi, mid, (rest - mid.float()).to(torch.bfloat16)])
 
 
 def _parts(x: torch.Tensor, native: bool) -> torch.Tensor:
