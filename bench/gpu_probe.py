@@ -420,7 +420,9 @@ def gpu_tests_command(xml: Path) -> list[str]:
 
 
 def parse_junit(xml: Path) -> dict:
-    """Counts and failures (test id and the first line of its message) of a pytest JUnit XML report."""
+    """Counts and failures of a pytest JUnit XML report: per failure the test id, the first line of its
+    message and pytest's `E` lines of the traceback (the values a tolerance was missed by; up to 1,500
+    characters)."""
     if not xml.exists():
         return {"error": "no report (pytest did not get to write one)"}
     counts = dict(tests=0, failures=0, errors=0, skipped=0)
@@ -431,8 +433,9 @@ def parse_junit(xml: Path) -> dict:
         for case in suite.iter("testcase"):
             for bad in [*case.findall("failure"), *case.findall("error")]:
                 message = (bad.get("message") or bad.text or "").strip().splitlines()
+                detail = "\n".join(line[1:].strip() for line in (bad.text or "").splitlines() if line.startswith("E "))
                 failures.append(dict(test=f"{case.get('classname')}::{case.get('name')}",
-                                     first_line=(message[0] if message else "")[:300]))
+                                     first_line=(message[0] if message else "")[:300], detail=detail[:1500]))
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     return {**counts, "failed": failures}
 
@@ -557,7 +560,10 @@ def render(s: dict, parts: list[PartResult], meta: dict) -> str:
     lines += ["", "## `pytest -m gpu zrl/moepp/kernels`", ""]
     if t and "tests" in t:
         lines.append(f"{t['passed']} passed, {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped.")
-        lines += [f"- `{f['test']}`: {f['first_line']}" for f in t["failed"]]
+        for f in t["failed"]:
+            lines.append(f"- `{f['test']}`: {f['first_line']}")
+            if f.get("detail"):
+                lines += ["  ```", *(f"  {line}" for line in f["detail"].splitlines()), "  ```"]
     else:
         lines.append((t or {}).get("error", "not run"))
     problems = s["errors"] + s["notes"] + [f"{p.name} {p.arg}: {p.status}\n```\n{p.log_tail}\n```"

@@ -197,24 +197,38 @@ def attention_work(s: Shape, doc_lens: Sequence[int], act: int) -> Work:
 
 FLASH_BWD_EXECUTED = 1.25  # a flash attention backward runs 5 [S, S] products to the forward's 2: 2.5x, not 2x
 
-# The LM head as the fp32-accurate tensor-core kernel executes it, in bf16 GEMM-equivalents of 2 T V D:
-# the fp32 hidden state split into three bf16 parts (exact: the products with the bf16 weight are exact
-# and accumulate in fp32), so one fp32-accurate product costs 3. Forward 3; backward 11 = dh (fp32): the
-# logits recomputed (3) then G W with G split in three (3); dW (bf16, so 2^-16-accurate sums suffice):
-# the logits from two hidden parts (2) then G^T h with two parts of each, first-order terms (3). This is
-# how zrl/moepp/kernels/lm_logprobs/triton_kernel.py runs it (its README, "Precision").
-LM_HEAD_SPLIT_DOTS = (3, 11)
+# The LM head as CUDA runs it (zrl/moepp/kernels/lm_logprobs/library.py), in bf16 GEMM-equivalents of
+# 2 T V D: the fp32 hidden state split into three exact bf16 parts, so one fp32-accurate product with the
+# bf16 weight costs 3. Forward 3; backward 9: the logits recomputed (3), dh = G W with G in three parts
+# (3), dW = G^T h with two parts of each, first-order terms (3, one GEMM of K = 3c).
+LM_HEAD_DOTS = (3, 9)
+# Bytes per element of the [T, V] logits that the library formulation moves through HBM in its passes
+# over fp32 [c, V] blocks (eager PyTorch, no entropy), GEMM outputs and block operands included:
+#   forward 44: logits 20 (mm writes 4, two addmm read and write 8 each), logsumexp 24 (amax reads 4,
+#     x - max reads 4 writes 4, exp_ reads 4 writes 4, sum reads 4).
+#   backward 134: logits 20; G in place 24 (sub_, exp_, mul_: 8 each); G's three bf16 parts 66 (each
+#     part a cast (6) and an fp32 remainder (12) or its widening (6), and the stack 12); the dh GEMMs
+#     read the parts 6; dW's stacked [3c, V] copy 12 and its GEMM's read 6.
+LM_HEAD_BLOCK_BYTES = (44, 134)
 
 
-def lm_head_split_work(s: Shape, tokens: int, act: int, dots: tuple[int, int] = LM_HEAD_SPLIT_DOTS) -> Work:
-    """The LM head + log-softmax gather as executed with `dots` = (forward, backward) bf16 GEMM-equivalents
-    of 2 T V D FLOPs each (LM_HEAD_SPLIT_DOTS). Bytes (streamed over the vocabulary, no [T, V] in
-    memory; the tiles' re-reads through L2 left out): forward hidden T D 4, weight V D a, targets and
-    log-probs 12 T; backward two passes reading hidden and weight, dh written T D 4, dW accumulated in
-    fp32 V D 4 and cast V D (4 + a), targets, lse and dlogprob 16 T."""
+def lm_head_split_work(s: Shape, tokens: int, act: int, dots: tuple[int, int] = LM_HEAD_DOTS) -> Work:
+    """The LM head's GEMMs as executed with `dots` = (forward, backward) bf16 GEMM-equivalents of 2 T V D
+    FLOPs each (LM_HEAD_DOTS). Bytes: the GEMMs' operands outside the [T, V] blocks (lm_head_block_work
+    has those): forward hidden T D 4, weight V D a, targets and log-probs 12 T; backward hidden and
+    weight read twice, dh written T D 4, dW accumulated in fp32 V D 4 and cast V D (4 + a), targets,
+    lse and dlogprob 16 T."""
     gemm, vd, td = 2.0 * tokens * s.V * s.D, s.V * s.D, tokens * s.D
     return Work(flops_fwd=dots[0] * gemm, flops_bwd=dots[1] * gemm, bytes_fwd=float(td * 4 + vd * act + 12 * tokens),
                 bytes_bwd=float(2 * (td * 4 + vd * act) + td * 4 + vd * (8 + act) + 16 * tokens))
+
+
+def lm_head_block_work(s: Shape, tokens: int) -> Work:
+    """The LM head's elementwise passes over its fp32 [c, V] blocks (LM_HEAD_BLOCK_BYTES per element of
+    the [T, V] logits); FLOPs: ~10 per element forward (max, subtract, exp, sum), ~30 backward."""
+    tv = float(tokens * s.V)
+    return Work(flops_fwd=10 * tv, flops_bwd=30 * tv, bytes_fwd=LM_HEAD_BLOCK_BYTES[0] * tv,
+                bytes_bwd=LM_HEAD_BLOCK_BYTES[1] * tv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +265,7 @@ def optimizer_shapes(config: MoEPPConfig) -> tuple[list[tuple[int, ...]], int]:
 
 
 def training_step_ops(s: Shape, layers: int, doc_lens: Sequence[int], routed: int, *, act: int = 2,
-                      checkpointing: bool = True, lm_head_dots: tuple[int, int] = LM_HEAD_SPLIT_DOTS,
+                      checkpointing: bool = True, lm_head_dots: tuple[int, int] = LM_HEAD_DOTS,
                       optimizer: tuple[Sequence[tuple[int, ...]], int] | None = None) -> list[StepOp]:
     """Every op of one trainer step on one microbatch of `doc_lens` documents, `routed` tokens routed to an
     expert in each layer, parameters gathered in the compute dtype (a = `act` bytes).
@@ -260,7 +274,8 @@ def training_step_ops(s: Shape, layers: int, doc_lens: Sequence[int], routed: in
     o projection, residual add + RMSNorm, router down-projection, router head, experts, residual add
     (counted as residual_norm_work, whose normed output it does not write). `checkpointing`: each layer's
     forward runs again in the backward. Outside the layers: embedding gather (and its gradient's scatter),
-    final RMSNorm, the LM head as executed (`lm_head_dots`), and with `optimizer` = optimizer_shapes(...)
+    final RMSNorm, the LM head as executed (its GEMMs, `lm_head_dots`, and its passes over [c, V] blocks),
+    and with `optimizer` = optimizer_shapes(...)
     Muon (Newton-Schulz FLOPs in bf16; momentum-free as ZAYA1 trains: gradient read, fp32 master read
     and written, 12 B per parameter; Newton-Schulz's own reads and writes ~4 a per parameter and
     iteration), AdamW (p, g, m, v read, p, m, v written, the clipping norm's read: 32 B per parameter)
@@ -289,10 +304,11 @@ def training_step_ops(s: Shape, layers: int, doc_lens: Sequence[int], routed: in
            for name, w, tc, bwd in layer_ops]
     embed = Work(0.0, 0.0, float(t * s.D * (act + 4) + 8 * t), float(t * s.D * (4 + 2 * act) + 8 * t))
     norm, head = rms_norm_work(s, t, act), lm_head_split_work(s, t, act, lm_head_dots)
-    useful_head = lm_logprobs_work(s, t, act)
+    useful_head, blocks = lm_logprobs_work(s, t, act), lm_head_block_work(s, t)
     ops += [StepOp("embedding", 1, 0.0, embed.bytes("fwd+bwd"), 0.0, False),
             StepOp("final_norm", 1, norm.flops("fwd+bwd"), norm.bytes("fwd+bwd"), norm.flops("fwd+bwd"), False),
-            StepOp("lm_head", 1, head.flops("fwd+bwd"), head.bytes("fwd+bwd"), useful_head.flops("fwd+bwd"), True)]
+            StepOp("lm_head", 1, head.flops("fwd+bwd"), head.bytes("fwd+bwd"), useful_head.flops("fwd+bwd"), True),
+            StepOp("lm_head_blocks", 1, blocks.flops("fwd+bwd"), blocks.bytes("fwd+bwd"), 0.0, False)]
     if optimizer is not None:
         muon_shapes, adamw_numel = optimizer
         muon_numel = sum(math.prod(shape) for shape in muon_shapes)

@@ -10,7 +10,7 @@ import dataclasses
 import datetime
 import math
 
-from moepp_kernels_work import (FULL, LM_HEAD_SPLIT_DOTS, doc_lengths, model_step_flops, optimizer_shapes,
+from moepp_kernels_work import (FULL, LM_HEAD_DOTS, doc_lengths, model_step_flops, optimizer_shapes,
                                 training_step_ops)
 
 MFU_GOAL = 0.30  # the trainer's MFU goal (forward + backward), also the probe's verdict
@@ -28,7 +28,7 @@ ROOFLINE = dict(gemm_tflops=790.0, fp32_tflops=67.0, hbm_tbs=4.8, efficiency=0.7
 
 
 def roofline(layers: int = 4, tokens: int = 65536, doc_len: int = 1024, checkpointing: bool = True,
-             lm_head_dots: tuple[int, int] = LM_HEAD_SPLIT_DOTS, **rates) -> dict:
+             lm_head_dots: tuple[int, int] = LM_HEAD_DOTS, **rates) -> dict:
     """The step of moepp_kernels_work.training_step_ops on the ZAYA1-8B layer shape against a roofline:
     per op max(FLOPs / rate, bytes / bandwidth), and the step if every op ran at `efficiency` of its bound."""
     r = {**ROOFLINE, **rates}
@@ -62,9 +62,10 @@ def render_roofline() -> str:
         "`bench/moepp_kernels_work.py` (`training_step_ops`, `model_step_flops`); no device involved. One "
         f"microbatch of {base['docs']} documents x {base['tokens'] // base['docs']} tokens, {base['routed']:,} "
         "tokens routed to an expert per layer (the probe's batches: replayed ids uniform over E + 1 classes), "
-        "bf16 parameters, activation checkpointing of every layer (its forward runs twice), the LM head as the "
-        f"fp32-accurate split kernel executes it ({base['lm_head_dots'][0]} bf16 GEMM-equivalents of 2 T V D forward, "
-        f"{base['lm_head_dots'][1]} backward: `LM_HEAD_SPLIT_DOTS`), the Muon + AdamW step and the FSDP2 casts of "
+        "bf16 parameters, activation checkpointing of every layer (its forward runs twice), the LM head as its "
+        f"fp32-accurate library formulation executes it ({base['lm_head_dots'][0]} bf16 GEMM-equivalents of 2 T V D "
+        f"forward, {base['lm_head_dots'][1]} backward: `LM_HEAD_DOTS`; `lm_head_blocks`: its elementwise passes over "
+        "fp32 [c, V] blocks, `LM_HEAD_BLOCK_BYTES`), the Muon + AdamW step and the FSDP2 casts of "
         "one rank.",
         "",
         f"Roofline of an H200: {r['gemm_tflops']:.0f} TFLOP/s bf16 tensor cores (the 8192^3 GEMM measured, "
@@ -99,7 +100,7 @@ def render_roofline() -> str:
         ("LM head gradients at bf16 level, logprobs still fp32-accurate (3 + 6)", dict(lm_head_dots=(3, 6))),
         ("LM head in plain bf16 (1 + 2; not the fp32 op set, the transformers path)", dict(lm_head_dots=(1, 2))),
         ("no activation checkpointing", dict(checkpointing=False)),
-        ("40 layers (ZAYA1-8B), split LM head", dict(layers=40)),
+        ("40 layers (ZAYA1-8B), LM head as above", dict(layers=40)),
     ]
     for label, kw in variants:
         v = roofline(**kw)
@@ -117,8 +118,11 @@ def render_roofline() -> str:
               f"{_pct(head['bound_s'] / base['bound_s'])} of the bound; at 40 layers still "
               f"{_pct(full_head['op'].model_flops / full['model_flops'])} and "
               f"{_pct(full_head['bound_s'] / full['bound_s'])}. "
-              f"For MFU {MFU_GOAL:.0%} at {eff:.0%} of every bound this step's LM head must cost at most {dots:.1f} "
-              "GEMM-equivalents forward + backward (plain bf16 costs 3).",
+              + (f"For MFU {MFU_GOAL:.0%} at {eff:.0%} of every bound this step's LM head must cost at most {dots:.1f} "
+               "GEMM-equivalents forward + backward (plain bf16 costs 3)." if dots > 0 else
+               f"MFU {MFU_GOAL:.0%} at {eff:.0%} of every bound is out of this step's reach whatever its LM head's "
+               "GEMMs cost: the rest of the step (the LM head's passes over its [c, V] blocks included) takes longer "
+               "than that MFU allows."),
               "", "Not modelled: kernel launch overheads and gaps, host synchronisations, Triton compilation, L2 "
               "re-reads of tiles, and overlap between ops."]
     return "\n".join(lines) + "\n"

@@ -41,9 +41,11 @@ def test_gemm_norm_attention_and_split_lm_head_work_hand_computed():
     assert a.bytes_bwd == 3 * 2 * (4 * 2 + 4 * 1) * 2 + 8 * 3 * 2
 
     h = work.lm_head_split_work(S, tokens=3, act=2)  # 2 T V D = 120, T D = 12, V D = 20
-    assert (h.flops_fwd, h.flops_bwd) == (3 * 120, 11 * 120)  # the kernel's 3 + (3 + 3) + (2 + 3) dots
+    assert (h.flops_fwd, h.flops_bwd) == (3 * 120, 9 * 120)  # the library's 3 + (3 + 3 + 3) GEMMs
     assert h.bytes_fwd == 12 * 4 + 20 * 2 + 12 * 3
     assert h.bytes_bwd == 2 * (12 * 4 + 20 * 2) + 12 * 4 + 20 * (8 + 2) + 16 * 3
+    b = work.lm_head_block_work(S, tokens=3)  # T V = 15
+    assert (b.bytes_fwd, b.bytes_bwd) == (44 * 15, 134 * 15) and (b.flops_fwd, b.flops_bwd) == (150, 450)
 
 
 def test_model_step_flops_is_three_forwards_with_one_lm_head_gemm():
@@ -74,7 +76,8 @@ def test_training_step_ops_count_recomputation_but_model_flops_do_not():
     assert on["experts"].model_flops == off["experts"].model_flops == off["experts"].flops
     attention = work.attention_work(work.SMALL, docs, 2)
     assert off["attention"].flops == 2 * (attention.flops_fwd + 1.25 * attention.flops_bwd)
-    assert on["lm_head"].flops == 14 / 3 * on["lm_head"].model_flops  # 14 GEMM-equivalents where MFU counts 3
+    assert on["lm_head"].flops == 12 / 3 * on["lm_head"].model_flops  # 12 GEMM-equivalents where MFU counts 3
+    assert on["lm_head_blocks"].model_flops == 0 and not on["lm_head_blocks"].tensor_cores
     assert on["muon"].flops == sum(ns_flops(s) for s in optimizer[0]) and on["muon"].model_flops == 0
     assert {"muon", "adamw", "fsdp_casts"} <= set(on) and not {"muon", "adamw"} & set(off)
     assert all(op.bytes > 0 for op in on.values())
@@ -106,14 +109,16 @@ def test_parse_junit_counts_and_first_lines(tmp_path):
         '<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="4" failures="1" errors="1" skipped="1">'
         '<testcase classname="a.test_x" name="test_ok"/>'
         '<testcase classname="a.test_x" name="test_bad"><failure message="AssertionError: 1 != 2&#10;more">'
-        'trace</failure></testcase>'
+        'def test_bad():&#10;&gt;       assert f() == 2&#10;E       AssertionError: 1 != 2&#10;E         max 3e-5&#10;'
+        'x.py:3: AssertionError</failure></testcase>'
         '<testcase classname="a.test_y" name="test_err"><error message="CompilationError: K &gt;= 16"/></testcase>'
         '<testcase classname="a.test_y" name="test_skip"><skipped message="needs CUDA"/></testcase>'
         '</testsuite></testsuites>')
     got = probe.parse_junit(xml)
     assert (got["tests"], got["passed"], got["failures"], got["errors"], got["skipped"]) == (4, 1, 1, 1, 1)
-    assert got["failed"] == [{"test": "a.test_x::test_bad", "first_line": "AssertionError: 1 != 2"},
-                             {"test": "a.test_y::test_err", "first_line": "CompilationError: K >= 16"}]
+    assert got["failed"] == [{"test": "a.test_x::test_bad", "first_line": "AssertionError: 1 != 2",
+                              "detail": "AssertionError: 1 != 2\nmax 3e-5"},
+                             {"test": "a.test_y::test_err", "first_line": "CompilationError: K >= 16", "detail": ""}]
     assert "error" in probe.parse_junit(tmp_path / "missing.xml")
 
 

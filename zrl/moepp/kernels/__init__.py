@@ -32,7 +32,7 @@ _ENV = "ZRL_KERNELS"
 _chosen: str | None = None  # set_backend's value; None = read the environment
 
 # What "auto" runs for CUDA tensors, per op, from fwd+bwd timings on one H200 (torch 2.11, Triton
-# 3.6; the op's README, "Choice on CUDA", has the figures). "library" = the op's library formulation
+# 3.6; bench/results/nvidia-h200-2026-11-27*.md; the op's README, "Choice on CUDA", has the figures). "library" = the op's library formulation
 # (experts: torch._grouped_mm; lm_logprobs: the reference's chunks with bf16 cuBLAS GEMMs on exact parts
 # of the fp32 operands) where the op's inputs suit it, else the reference.
 AUTO_ON_CUDA = {
@@ -40,9 +40,9 @@ AUTO_ON_CUDA = {
     "cca": "reference",  # reference 2.1 / 6.9 ms vs Triton 3.3 / 15.0 ms (fwd / fwd+bwd, 16k tokens)
     # Triton (tensor-core split kernel) 445 / 2,424 ms vs the fp32 reference 385 / 1,535 ms (fwd /
     # fwd+bwd, V 262,272, 16k tokens, 2026-11-27): the library formulation replaces both
-    "lm_logprobs": "library",
-    "router": "triton",  # not yet timed on a GPU: nothing shows it losing
-    "residual_norm": "triton",  # not yet timed on a GPU: nothing shows it losing
+    "lm_logprobs": "library",  # 482 ms fwd+bwd at 16k tokens (transformers' bf16 head: 133 ms)
+    "router": "triton",  # Triton 1.42 / 1.67 ms vs reference 2.41 / 2.46 ms fwd+bwd at 16k / 64k tokens
+    "residual_norm": "triton",  # Triton 1.11 / 2.94 ms vs reference 2.96 / 10.75 ms, likewise
 }
 CHOICES = ("triton", "library", "reference")
 
