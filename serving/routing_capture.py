@@ -10,6 +10,12 @@ Positions never computed keep zrl.types.NO_ROUTE (255, "no record").
 Storage is paged: requests own fixed-size pages of one shared uint8 pool, so memory follows the
 tokens actually in flight, and a step is recorded with a few vectorised numpy operations whatever
 the number of requests (a Python loop runs only over requests that cross into a new page).
+
+`record_later` takes a step's routing and positions as device tensors without waiting for the device:
+on CUDA they are copied into pinned host memory with non_blocking copies on the compute stream (so
+ordered after the forward that wrote them and before the runner reuses its buffers), and the step is
+recorded at the next step or before anything is read, whichever comes first. The engine step's host
+thread therefore goes on launching the sampler while the copies run.
 """
 
 from __future__ import annotations
@@ -17,8 +23,29 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+import torch
 
 from zrl.types import NO_ROUTE
+
+
+class _HostCopy:
+    """A tensor on its way to host memory; `numpy()` waits for it. CUDA: a non_blocking copy into pinned
+    memory on the current stream plus an event; elsewhere an immediate copy (the source is a buffer the
+    runner reuses)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self._done = None
+        if x.is_cuda:
+            self._host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = x.detach().clone()
+
+    def numpy(self) -> np.ndarray:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.numpy()
 
 
 class RoutingRecorder:
@@ -34,10 +61,23 @@ class RoutingRecorder:
         self._page_table = np.full((0, self.max_pages), -1, np.int64)  # [slots, max_pages]
         self._num_pages = np.zeros(0, np.int64)  # [slots]
         self._computed = np.zeros(0, np.int64)  # [slots] highest computed position + 1
+        self._pending: list[tuple[list[str], np.ndarray, _HostCopy, _HostCopy]] = []  # steps not yet recorded
+
+    def record_later(self, req_ids: list[str], query_start_loc: np.ndarray, positions: torch.Tensor,
+                     routing: torch.Tensor) -> None:
+        """As `record`, with positions [T] and routing [T, L] still on the device (module docstring)."""
+        self._record_pending()
+        self._pending.append((list(req_ids), query_start_loc.copy(), _HostCopy(positions), _HostCopy(routing)))
+
+    def _record_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for req_ids, qsl, positions, routing in pending:
+            self.record(req_ids, qsl, positions.numpy(), routing.numpy())
 
     def record(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray,
                routing: np.ndarray) -> None:
         """routing [T, L] and positions [T] of one forward; request r owns rows qsl[r]:qsl[r + 1]."""
+        self._record_pending()
         lengths = np.diff(query_start_loc)
         if (lengths <= 0).any():
             keep = lengths > 0
@@ -62,11 +102,13 @@ class RoutingRecorder:
 
     def positions_computed(self, req_id: str) -> int:
         """Highest computed position + 1 of a request so far (0 if none; recomputation does not lower it)."""
+        self._record_pending()
         slot = self._slots.get(req_id)
         return 0 if slot is None else int(self._computed[slot])
 
     def pop(self, req_id: str) -> np.ndarray:
         """[positions computed, L] uint8 table of the request, releasing its pages (empty if unknown)."""
+        self._record_pending()
         slot = self._slots.pop(req_id, None)
         if slot is None:
             return np.full((0, self.num_layers), NO_ROUTE, np.uint8)
@@ -85,6 +127,7 @@ class RoutingRecorder:
             self.pop(req_id)
 
     def __len__(self) -> int:
+        self._record_pending()
         return len(self._slots)
 
     def _slot(self, req_id: str) -> int:

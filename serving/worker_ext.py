@@ -13,7 +13,7 @@ of the token at `positions[i]` of that request (routing_capture.py stores it the
 Weight update: vLLM's layer-wise `reload_weights` (it re-runs each layer's post-load processing; it
 consumes its iterator lazily, so a streamed sync is loaded as it arrives),
 then the fix-ups it misses — the CPU MoE experts keep a pre-packed copy of their weights that reload
-does not rebuild (docs/cpu-stack.md), and the model's fp32 LM-head copy.
+does not rebuild (docs/cpu-stack.md), and the model's fp32 LM-head copy (off CUDA).
 """
 
 from __future__ import annotations
@@ -61,10 +61,11 @@ class ZayaWorkerExtension:
             output = forward(*args, **kwargs)
             num_reqs = runner.input_batch.num_reqs
             qsl = runner.query_start_loc.np[: num_reqs + 1]
-            num_tokens = int(qsl[-1])
-            positions = (kwargs["positions"] if "positions" in kwargs else args[1])[:num_tokens].cpu().numpy()
-            routing = model.last_routing[:num_tokens].cpu().numpy()
-            recorder.record(runner.input_batch.req_ids[:num_reqs], qsl, positions, routing)
+            num_tokens = int(qsl[-1])  # qsl is the runner's host copy: no device sync
+            positions = (kwargs["positions"] if "positions" in kwargs else args[1])[:num_tokens]
+            # No wait for the device here: the copies to the host run behind the step (routing_capture.py).
+            recorder.record_later(runner.input_batch.req_ids[:num_reqs], qsl, positions,
+                                  model.last_routing[:num_tokens])
             return output
 
         runner._model_forward = forward_and_record
@@ -83,7 +84,8 @@ class ZayaWorkerExtension:
 
     def zaya_capture_stats(self) -> dict[str, int]:
         recorder = self.model_runner._zaya_recorder
-        return {"open_requests": len(recorder), "recomputed_rows": recorder.recomputed_rows}
+        open_requests = len(recorder)  # records the steps still pending first
+        return {"open_requests": open_requests, "recomputed_rows": recorder.recomputed_rows}
 
     def zaya_discard_routing(self, req_ids: list[str]) -> None:
         self.model_runner._zaya_recorder.discard(req_ids)

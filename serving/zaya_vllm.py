@@ -7,8 +7,10 @@ the merged q/k/v projection and the scheduling. Per layer:
   x = ResScale_attn(h, x)         fp32 residual stream
   h = MoE(RMSNorm_post(x), r_prev)  zrl.moepp router (E + 1 classes, skip = E) + vLLM FusedMoE experts
   x = ResScale_mlp(h, x)
-Logits: RMSNorm_final(x) @ E^T in fp32 (LM_HEAD); in bf16 an fp32 copy of the tied embedding is kept
-and refreshed by `refresh_derived_weights` after every (re)load.
+Logits: RMSNorm_final(x) @ E^T at fp32 accuracy (LM_HEAD). With 16-bit weights on CUDA: bf16 GEMMs
+on exact bf16 parts of the fp32 hidden states (the trainer's LM head, zrl.moepp.kernels.lm_logprobs
+library.py), no fp32 copy of the 262k x 2048 embedding; elsewhere an fp32 copy of it is kept and
+refreshed by `refresh_derived_weights` after every (re)load.
 
 Router capture: every forward stores the chosen expert of every MoE layer for every token of the
 step in `last_routing` ([T, L] uint8, skip = E); the worker extension (worker_ext.py) maps the rows
@@ -41,6 +43,7 @@ from serving.cca_state import CCAStateCache
 from zrl.moepp.attention import QKNorm, apply_partial_rope, rope_cos_sin
 from zrl.moepp.blocks import ResidualScaling, RMSNorm
 from zrl.moepp.config import MoEPPConfig
+from zrl.moepp.kernels.lm_logprobs.library import SplitProducts
 from zrl.moepp.precision import Fp32Op, to_op_dtype
 from zrl.moepp.router import ZayaRouter
 
@@ -241,12 +244,18 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return model.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[T, D] -> fp32 logits [T, V] (LM_HEAD in fp32)."""
-        return F.linear(to_op_dtype(hidden_states, Fp32Op.LM_HEAD), self._lm_head_weight_fp32())
+        """[T, D] -> fp32 logits [T, V] (LM_HEAD at fp32 accuracy)."""
+        hidden, weight = to_op_dtype(hidden_states, Fp32Op.LM_HEAD), self._lm_head_weight()
+        if weight.dtype != torch.float32 and weight.is_cuda:
+            return SplitProducts(hidden, weight).logits(slice(None))
+        return F.linear(hidden, self._lm_head_weight_fp32())
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
+        return weight[: self.config.vocab_size]
 
     def _lm_head_weight_fp32(self) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        weight = weight[: self.config.vocab_size]
+        weight = self._lm_head_weight()
         if weight.dtype == torch.float32:
             return weight
         if self._lm_head_fp32 is None:
@@ -255,10 +264,9 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     @torch.no_grad()
     def refresh_derived_weights(self) -> None:
-        """Rebuild tensors derived from the weights (the fp32 LM head copy); call after every load."""
-        weight = self.model.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        weight = weight[: self.config.vocab_size]
-        self._lm_head_fp32 = None if weight.dtype == torch.float32 else weight.float()
+        """Rebuild tensors derived from the weights (the fp32 LM head copy off CUDA); call after every load."""
+        weight = self._lm_head_weight()
+        self._lm_head_fp32 = None if weight.dtype == torch.float32 or weight.is_cuda else weight.float()
 
     # ---------------------------------------------------------------- weights
 

@@ -143,6 +143,28 @@ def test_recorder_pages_grow_and_are_reused_clean():
         recorder.record(["x"], np.array([0, 1]), np.array([40]), np.zeros((1, 1), np.uint8))
 
 
+def test_recorder_records_later_steps_in_order_from_copies():
+    """record_later keeps copies of the step's tensors (the runner reuses its buffers) and records the step
+    at the next one or before any read; the result equals recording at once."""
+    now, later = RoutingRecorder(2, 64, page_rows=4), RoutingRecorder(2, 64, page_rows=4)
+    steps = [(["a", "b"], np.array([0, 3, 4]), [0, 1, 2, 5], [[0, 1], [2, 3], [4, 0], [1, 1]]),
+             (["a"], np.array([0, 2]), [0, 1], [[7, 7], [7, 7]]),  # recomputation of a, after preemption
+             (["b"], np.array([0, 1]), [6], [[3, 2]])]
+    positions_buffer, routing_buffer = torch.zeros(8, dtype=torch.int64), torch.zeros(8, 2, dtype=torch.uint8)
+    for req_ids, qsl, positions, routing in steps:
+        now.record(req_ids, qsl, np.array(positions), np.array(routing, np.uint8))
+        n = len(positions)
+        positions_buffer[:n], routing_buffer[:n] = torch.tensor(positions), torch.tensor(routing, dtype=torch.uint8)
+        later.record_later(req_ids, qsl, positions_buffer[:n], routing_buffer[:n])
+        positions_buffer.fill_(63)  # the runner writes its next step into the same buffers
+        routing_buffer.fill_(9)
+    assert later._pending  # the last step waits until something reads
+    assert later.positions_computed("b") == 7 and not later._pending
+    assert later.recomputed_rows == now.recomputed_rows == 2
+    for req in ("a", "b"):
+        assert later.pop(req).tolist() == now.pop(req).tolist()
+
+
 def test_rewindable_generator_undoes_one_step_of_sampling():
     gen = torch.Generator().manual_seed(123)
     generators = {0: gen}
