@@ -76,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    results = each_mode(lambda mode, steps, tmp: run(mode, steps, tmp, tmp / "model"), args.steps)
+    results = each_mode(lambda mode, steps, tmp: run(mode, steps, tmp, tmp / "tiny-model"), args.steps)
     for r in results:
         print(f"{r['mode']:5s}: {r['steps_per_min']:6.1f} steps/min | rollout idle {100 * r['rollout_idle']:4.0f}% | "
               f"trainer idle {100 * r['trainer_idle']:4.0f}% | max staleness {r['max_staleness']} | wall {r['wall_s']:.0f} s")

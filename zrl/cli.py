@@ -5,7 +5,9 @@ file, bad YAML, unknown field, wrong type, out-of-range value, a bad `--set`, an
 zrl.preflight finds before Ray starts) prints one line per problem to stderr,
 `zrl: error: <file or option>: <field>: <reason>`, and exits with EXIT_BAD_INPUT, without a traceback.
 `zrl validate` notes what the recipe names but this machine lacks (an environment not installed here,
-a model directory not present) and still succeeds; `zrl run` refuses those too.
+a model directory not present, a Hugging Face repo not cached while offline) and still succeeds; `zrl
+run` refuses those too. It also says which directory each model path resolves to (zrl/hub.py). A model
+path that cannot be had (zrl.hub.ModelPathError) is one line, whichever command meets it.
 """
 
 import argparse
@@ -21,6 +23,7 @@ import yaml
 from zrl.config import Recipe, RecipeError, load_recipe
 from zrl.config.load import yaml_value
 from zrl.env.registry import UnknownEnvironmentError
+from zrl.hub import ModelPathError
 from zrl.runtime_env import apply_defaults
 
 log = logging.getLogger("zrl")
@@ -51,6 +54,8 @@ def cmd_validate(args) -> int:
         return _error(_findings_lines(args.recipe, findings.problems))
     sys.stdout.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     sys.stdout.write(f"# schema: OK ({len(recipe.stages)} stages)\n")
+    for item, source in findings.models:
+        sys.stdout.write(f"# {item}: {source}\n")
     if findings.missing:
         sys.stdout.write(f"# availability: {len(findings.missing)} item(s) not available on this machine:\n")
         for item, problem in findings.missing:
@@ -118,6 +123,18 @@ def _options(text: str | None) -> dict | str:
     return options
 
 
+def _checkpoint(args) -> Path | str:
+    """The local directory of CHECKPOINT (a directory or a Hugging Face repo id: zrl/hub.py), or the
+    one-line reason there is none."""
+    from zrl.hub import is_hub_id, resolve
+
+    local = resolve(args.checkpoint, args.revision, "checkpoint")
+    if not (local / "config.json").is_file():
+        snapshot = f" (snapshot {local})" if is_hub_id(args.checkpoint) else ""
+        return f"{args.checkpoint}{snapshot}: not a checkpoint directory (no config.json)"
+    return local
+
+
 def cmd_eval(args) -> int:
     import dataclasses
     import json
@@ -128,11 +145,12 @@ def cmd_eval(args) -> int:
     options = _options(args.options)
     if isinstance(options, str):
         return _error([options])
-    if not (Path(args.checkpoint) / "config.json").is_file():
-        return _error([f"{args.checkpoint}: not a checkpoint directory (no config.json)"])
+    checkpoint = _checkpoint(args)
+    if isinstance(checkpoint, str):
+        return _error([checkpoint])
     reward_model = None if args.reward_model is None else RewardModelSpec(path=args.reward_model, dtype=args.dtype)
     try:
-        result = evaluate(args.checkpoint, EnvironmentSpec(name=args.env, options=options),
+        result = evaluate(checkpoint, EnvironmentSpec(name=args.env, options=options),
                           num_prompts=args.num_prompts, seed=args.seed, samples_per_prompt=args.samples,
                           temperature=args.temperature, max_response_tokens=args.max_response_tokens, dtype=args.dtype,
                           reward_model=reward_model, split=args.split, save_rollouts=args.save_rollouts)
@@ -151,12 +169,15 @@ def cmd_ttc(args) -> int:
     options = _options(args.options)
     if isinstance(options, str):
         return _error([options])
+    checkpoint = _checkpoint(args)
+    if isinstance(checkpoint, str):
+        return _error([checkpoint])
     try:
         config = RSAConfig(num_candidates=args.population, num_aggregated=args.aggregate, num_rounds=args.rounds,
                            thinking_budget=args.thinking_budget, tail_tokens=args.tail_tokens,
                            answer_budget=args.answer_budget, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, hybrid=args.hybrid)
-        result = evaluate_rsa(args.checkpoint, EnvironmentSpec(name=args.env, options=options), config,
+        result = evaluate_rsa(checkpoint, EnvironmentSpec(name=args.env, options=options), config,
                               num_prompts=args.num_prompts, dtype=args.dtype)
     except (ValueError, FileNotFoundError) as exc:  # bad settings or options: one line
         return _error([str(exc)])
@@ -250,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_envs)
 
     p = sub.add_parser("eval", help="accuracy of a checkpoint on an environment's held-out split")
-    p.add_argument("checkpoint", help="Hugging Face zaya checkpoint directory (e.g. <output_dir>/stages/<name>/hf)")
+    p.add_argument("checkpoint", help="Hugging Face zaya checkpoint: a directory (e.g. <output_dir>/stages/<name>/hf) "
+                                      "or a Hub repo id org/name (cached, or downloaded on first use)")
+    p.add_argument("--revision", help="branch, tag or commit of a Hub repo id CHECKPOINT (default: main)")
     p.add_argument("--env", required=True, help="environment name or module:Class")
     p.add_argument("--options", help="environment options as YAML, e.g. '{max_operand: 20}'")
     p.add_argument("--num-prompts", type=int, default=200)
@@ -259,8 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-response-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--reward-model", help="reward-model checkpoint directory, for reward-model environments "
-                                          "(scored in this process)")
+    p.add_argument("--reward-model", help="reward-model checkpoint directory or Hub repo id, for reward-model "
+                                          "environments (scored in this process)")
     p.add_argument("--split", default="eval", choices=["eval", "train"], help="which problems (default: held-out)")
     p.add_argument("--save-rollouts", metavar="FILE", help="write prompts, responses and rewards as JSONL (the "
                                                            "rollouts file of the `aggregation` environment)")
@@ -268,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ttc", help="Markovian RSA test-time compute on an environment's held-out split: one "
                                    "JSON line per round, candidates to a JSONL")
-    p.add_argument("checkpoint", help="Hugging Face zaya checkpoint directory")
+    p.add_argument("checkpoint", help="Hugging Face zaya checkpoint: a directory or a Hub repo id org/name")
+    p.add_argument("--revision", help="branch, tag or commit of a Hub repo id CHECKPOINT (default: main)")
     p.add_argument("--env", required=True, help="environment name or module:Class")
     p.add_argument("--options", help="environment options as YAML, e.g. '{max_operand: 20}'")
     p.add_argument("--num-prompts", type=int, default=50)
@@ -312,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except RecipeError as exc:
         return _error(str(exc).splitlines())
-    except UnknownEnvironmentError as exc:
+    except (UnknownEnvironmentError, ModelPathError) as exc:
         return _error([str(exc)])
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, without a checkpoint
         return _error(["interrupted; resume from the latest checkpoint with `zrl run RECIPE --resume`"], 130)

@@ -4,20 +4,28 @@
 A finding is `(field, reason)`: the recipe field it concerns (`model.path`, `stages[1].sampling...`,
 the same paths schema errors use) and one line saying what is wrong. Two kinds:
 - a *problem* would fail the run: an output_dir that cannot be created or written; a model directory
-  whose config.json is unreadable or not a zaya config; lengths beyond the model's context
-  (`max_position_embeddings`, or the tiny model's when the run builds it); an environment reference
-  (`module:Class`) that cannot be imported or is not an `Environment`; options its constructor rejects;
-  a `sample` that raises or does not return the prompts asked for; an sft environment without
-  demonstrations, or whose demonstrations alone exceed `max_sequence_tokens`; a maxrl stage on
-  continuous rewards; an rl stage with a reward-model environment in a recipe without `reward_model`.
-- a *missing* item is named by the recipe but absent here: an environment name nobody registered, or a
-  model or reward-model directory that does not exist (and is not built). A recipe is validated where its environments
-  need not be installed, so `zrl validate` only notes these; `zrl run` refuses them. A data file an
-  environment's options name that does not exist here is missing too. An entry whose data an earlier
-  stage of the run writes (`self_rollouts`, named with `{output_dir}`) is not built here.
+  whose config.json is unreadable or not a zaya config; a `revision` given with a local directory; a
+  cached Hub snapshot that is not a checkpoint; build_tiny_if_missing where something other than a
+  scratch asset is in the way (a non-empty directory or a file: zrl/hub.py); lengths beyond the
+  model's context (`max_position_embeddings`, or the tiny model's when the run builds it); an
+  environment reference (`module:Class`) that cannot be imported or is not an `Environment`; options its
+  constructor rejects; a `sample` that raises or does not return the prompts asked for; an sft
+  environment without demonstrations, or whose demonstrations alone exceed `max_sequence_tokens`; a
+  maxrl stage on continuous rewards; an rl stage with a reward-model environment in a recipe without
+  `reward_model`.
+- a *missing* item is named by the recipe but absent here: an environment name nobody registered, a
+  model or reward-model directory that does not exist (and is not built: build_tiny_if_missing builds
+  only at a scratch asset path), or a Hugging Face repo id not in the cache while HF_HUB_OFFLINE is set.
+  A recipe is validated where its environments need not be installed, so `zrl validate` only notes
+  these; `zrl run` refuses them. A data file an environment's options name that does not exist here is
+  missing too. An entry whose data an earlier stage of the run writes (`self_rollouts`, named with
+  `{output_dir}`) is not built here.
 
-`Findings.data` lists, per stage, every data file (an option value ending in .jsonl, .json, .parquet
-or .csv) with whether it is present, missing or written by an earlier stage: `zrl validate` prints it.
+`Findings.models` says, for `model.path` and `reward_model.path`, what a run would read: the local
+directory, the cached snapshot of a repo id (revision and commit), a repo downloaded on first use, or
+the tiny model the run builds. `Findings.data` lists, per stage, every data file (an option value
+ending in .jsonl, .json, .parquet or .csv) with whether it is present, missing or written by an
+earlier stage: `zrl validate` prints both.
 
 Every environment of every stage is built with its options and asked for `SAMPLE_SIZE` prompts with
 seed `SAMPLE_SEED` (sft stages also for their demonstrations), exactly as the run's prompt source would
@@ -47,14 +55,15 @@ class Findings:
     problems: list[Finding] = field(default_factory=list)
     missing: list[Finding] = field(default_factory=list)
     data: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)  # stage -> (entry, file, status)
+    models: list[Finding] = field(default_factory=list)  # (model.path / reward_model.path, what a run would read)
 
 
 def check(recipe: Recipe) -> Findings:
     """Every problem and missing item of `recipe` on this machine (see the module docstring)."""
     findings = Findings()
     findings.problems += _output_dir(Path(recipe.output_dir))
-    context = _model(recipe, findings)
-    tokenizer = _Tokenizer(recipe)
+    context, model_dir = _model(recipe, findings)
+    tokenizer = _Tokenizer(recipe, model_dir)
     produced = recipe.produced_files()
     for i, stage in enumerate(recipe.stages):
         findings.problems += _context(stage, f"stages[{i}]", context)
@@ -65,14 +74,48 @@ def check(recipe: Recipe) -> Findings:
     return findings
 
 
+TINY = "tiny"  # _checkpoint: the run builds the tiny model at the path
+
+
+def _checkpoint(field: str, spec, is_checkpoint, what: str, findings: Findings) -> Path | str | None:
+    """What `spec.path` (a ModelSpec or RewardModelSpec) gives a run here (zrl/hub.py): the checkpoint
+    directory; TINY when the run builds the tiny model there; None when there is none to read now (to be
+    downloaded, missing, or refused: the finding is recorded)."""
+    from zrl.hub import ModelPathError, locate, scratch_refusal
+
+    try:
+        where = locate(spec.path, spec.revision, field)
+    except ModelPathError as exc:
+        findings.problems.append((field, exc.reason))
+        return None
+    if where.local is None or is_checkpoint(where.local):
+        findings.models.append((field, where.describe()))
+        if where.missing is not None:
+            findings.missing.append((field, where.missing))
+        return where.local
+    if where.repo_id is not None:
+        findings.problems.append((field, f"{where.local} (the cached snapshot of {where.repo_id}) is not a {what}"))
+        return None
+    if not spec.build_tiny_if_missing:
+        findings.missing.append((field, f"{spec.path} is not a {what} and build_tiny_if_missing is false"))
+        return None
+    refusal = scratch_refusal(spec.path, what)
+    if refusal is None:
+        findings.models.append((field, f"{spec.path}: the tiny CPU model, built there by the run "
+                                       "(build_tiny_if_missing)"))
+        return TINY
+    # Something other than a scratch asset is in the way here: the run would fail. A path that does not
+    # exist here may exist where the run runs: only missing.
+    (findings.problems if Path(spec.path).expanduser().exists() else findings.missing).append((field, refusal))
+    return None
+
+
 def _reward_model(recipe: Recipe, findings: Findings) -> None:
     from zrl.reward_model import is_reward_model_dir
 
-    spec = recipe.reward_model
-    if spec is None or spec.build_tiny_if_missing or is_reward_model_dir(spec.path):
-        return
-    findings.missing.append(("reward_model.path", f"{spec.path} is not a sequence-classification checkpoint "
-                                                  "directory and build_tiny_if_missing is false"))
+    if recipe.reward_model is not None:
+        _checkpoint("reward_model.path", recipe.reward_model, is_reward_model_dir,
+                    "sequence-classification checkpoint directory", findings)
 
 
 def _output_dir(out: Path) -> list[Finding]:
@@ -95,24 +138,21 @@ class _Context:
     source: str  # where the number comes from, for the message
 
 
-def _model(recipe: Recipe, findings: Findings) -> _Context | None:
-    """The model's context length when known; records problems and missing items of `model.path`."""
+def _model(recipe: Recipe, findings: Findings) -> tuple[_Context | None, Path | None]:
+    """The model's context length when known, and the directory its files are read from when there is
+    one here; records problems and missing items of `model.path`."""
     from zrl.assets import TINY_MODEL_CONFIG, is_checkpoint_dir
 
-    path = Path(recipe.model.path)
-    config = path / "config.json"
-    if is_checkpoint_dir(path):
-        return _model_config(config, findings)
-    if recipe.model.build_tiny_if_missing:
-        if path.exists() and not path.is_dir():
-            findings.problems.append(("model.path", f"{path} exists and is not a directory (build_tiny_if_missing "
-                                                    "would build the tiny model there)"))
-            return None
-        return _Context(TINY_MODEL_CONFIG["max_position_embeddings"], "the tiny model build_tiny_if_missing builds")
-    findings.missing.append(("model.path", f"{path} is not a zaya checkpoint directory (config.json and "
-                                           "*.safetensors) and build_tiny_if_missing is false"))
+    what = "zaya checkpoint directory (config.json and *.safetensors)"
+    found = _checkpoint("model.path", recipe.model, is_checkpoint_dir, what, findings)
+    if found == TINY:
+        return (_Context(TINY_MODEL_CONFIG["max_position_embeddings"], "the tiny model build_tiny_if_missing builds"),
+                None)
+    if found is not None:
+        return _model_config(found / "config.json", findings), found
     # A config.json without weights is still checked: a wrong one is worth knowing before the weights arrive.
-    return _model_config(config, findings) if config.is_file() else None
+    config = Path(recipe.model.path).expanduser() / "config.json"
+    return (_model_config(config, findings) if config.is_file() else None), None
 
 
 def _model_config(config: Path, findings: Findings) -> _Context | None:
@@ -158,9 +198,10 @@ def _context(stage, where: str, context: _Context | None) -> list[Finding]:
 class _Tokenizer:
     """The recipe's tokenizer, loaded on first use from `tokenizer.json` when the files exist."""
 
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: Recipe, model_dir: Path | None):
         self.field = "model.tokenizer_path" if recipe.model.tokenizer_path else "model.path"
-        self.file = Path(recipe.model.tokenizer_path or recipe.model.path) / "tokenizer.json"
+        folder = Path(recipe.model.tokenizer_path) if recipe.model.tokenizer_path else model_dir
+        self.file = None if folder is None else folder / "tokenizer.json"
         self.problems: list[Finding] = []
         self._loaded = False
         self._tokenizer = None
@@ -169,7 +210,7 @@ class _Tokenizer:
         """Tokens of `text` (no special tokens added), or None when there is no usable tokenizer here."""
         if not self._loaded:
             self._loaded = True
-            if self.file.is_file():
+            if self.file is not None and self.file.is_file():
                 from tokenizers import Tokenizer
 
                 try:

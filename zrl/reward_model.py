@@ -183,16 +183,19 @@ def build_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def prepare_reward_model(spec: RewardModelSpec) -> Path:
-    """The RM checkpoint directory of `spec`, building the tiny one first when it is missing and allowed."""
-    path = Path(spec.path)
-    if is_reward_model_dir(path):
-        return path
-    if not spec.build_tiny_if_missing:
-        raise FileNotFoundError(f"reward_model.path: {path} is not a reward-model checkpoint (config.json, "
-                                f"*.safetensors, tokenizer.json); set reward_model.build_tiny_if_missing: true "
-                                f"to build the tiny CPU one there")
-    log.info("building the tiny reward model in %s", path)
-    return build_tiny_reward_model(path)
+    """The local RM checkpoint directory of `spec` (zrl/hub.py: a local directory, or the Hugging Face cache
+    snapshot of a repo id, downloaded on first use), building the tiny one first when it is missing at a
+    scratch asset path and build_tiny_if_missing allows it. Raises zrl.hub.ModelPathError (one line)."""
+    from zrl.hub import local_checkpoint
+
+    return local_checkpoint("reward_model.path", spec.path, spec.revision, is_reward_model_dir,
+                            "sequence-classification checkpoint directory (config.json, *.safetensors, "
+                            "tokenizer.json)", build_tiny_reward_model if spec.build_tiny_if_missing else None)
+
+
+def local_spec(spec: RewardModelSpec) -> RewardModelSpec:
+    """`spec` with `path` its local checkpoint directory (prepare_reward_model): what scorers load."""
+    return spec.model_copy(update={"path": str(prepare_reward_model(spec)), "revision": None})
 
 
 def reward(score: float, spec: RewardModelSpec) -> float:
@@ -210,7 +213,7 @@ Conversation = tuple[Sequence[Message], str]  # (prompt messages, response text)
 
 
 class RewardModel:
-    """In-process scorer of one RM checkpoint (`spec.path`, which must exist: see prepare_reward_model)
+    """In-process scorer of one RM checkpoint (`spec.path`, a local directory that must exist: see local_spec)
     with the transformers backend or vLLM's pooling runner (`spec.backend`)."""
 
     def __init__(self, spec: RewardModelSpec):
@@ -320,9 +323,9 @@ class RewardModelPool:
 
         from zrl.pipeline.pools import light_actor
 
-        prepare_reward_model(self.spec)  # here, once: actors building it side by side would race
+        spec = local_spec(self.spec)  # here, once: actors building or downloading it side by side would race
         r = self.resources
-        self.actors = [light_actor(RewardModelWorker, self.spec.model_dump(), name=f"{SERVICE_NAME}-{i}",
+        self.actors = [light_actor(RewardModelWorker, spec.model_dump(), name=f"{SERVICE_NAME}-{i}",
                                    max_restarts=-1, num_cpus=r.cpus_per_reward_model_worker,
                                    num_gpus=r.gpus_per_reward_model_worker)
                        for i in range(r.reward_model_workers)]
@@ -332,7 +335,7 @@ class RewardModelPool:
             ray.get(ready)
         except RayActorError as exc:  # its __init__ raised: Ray does not restart it; the cause is the last line
             self.stop()
-            raise RuntimeError(f"a reward-model actor could not load {self.spec.path}: "
+            raise RuntimeError(f"a reward-model actor could not load {spec.path}: "
                                f"{str(exc).strip().splitlines()[-1]}") from exc
         if pending:
             self.stop()
@@ -341,7 +344,7 @@ class RewardModelPool:
                                f"{r.cpus_per_reward_model_worker}/{r.gpus_per_reward_model_worker}; "
                                f"cluster: {ray.cluster_resources()})")
         log.info("reward model: %d actor(s) x %g CPU/%g GPU, %s backend, %s", len(self.actors),
-                 r.cpus_per_reward_model_worker, r.gpus_per_reward_model_worker, self.spec.backend, self.spec.path)
+                 r.cpus_per_reward_model_worker, r.gpus_per_reward_model_worker, spec.backend, spec.path)
 
     def stop(self) -> None:
         import ray
@@ -368,9 +371,8 @@ class RewardModelClient:
     @classmethod
     def local(cls, spec: RewardModelSpec) -> RewardModelClient:
         """A client scoring with an in-process RewardModel (tests, `zrl eval`): no Ray."""
-        prepare_reward_model(spec)
         client = cls()
-        client._local = RewardModelWorker(spec.model_dump())
+        client._local = RewardModelWorker(local_spec(spec).model_dump())
         return client
 
     def score(self, conversations: Sequence[Conversation]) -> list[tuple[float, float]]:

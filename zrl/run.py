@@ -1,7 +1,8 @@
 """`zrl run`: everything that happens before the first stage trains.
 
 Responsibilities: create the run directory and record the resolved recipe in it; make the model
-assets exist (building the tiny CPU checkpoint when the recipe asks for it); connect to the Ray
+assets exist (a Hugging Face repo id is downloaded into the cache on first use, the tiny CPU checkpoint
+is built at a scratch asset path when the recipe asks for it: zrl/hub.py); connect to the Ray
 cluster named by `--address` (or the one `ray job submit` provides) or start an embedded one; and
 check that the cluster can host the recipe's rollout and trainer pools before anything is launched.
 Then it hands the recipe to the cascade controller (zrl/pipeline/controller.py).
@@ -154,16 +155,17 @@ def claim_run_dir(out: Path) -> tuple[Path, str]:
 
 
 def prepare_model(recipe: Recipe) -> Path:
+    """The local checkpoint directory everything downstream reads (zrl/hub.py): `model.path` itself, the
+    Hugging Face cache snapshot of a repo id (downloaded on first use), or the tiny CPU checkpoint, built
+    first when build_tiny_if_missing allows it there. Raises zrl.hub.ModelPathError (one line)."""
     from zrl.assets import build_tiny_model, is_checkpoint_dir
+    from zrl.hub import local_checkpoint
 
-    path = Path(recipe.model.path)
-    if is_checkpoint_dir(path):
-        log.info("model: %s", path)
-    elif recipe.model.build_tiny_if_missing:
-        log.info("model: building the tiny CPU checkpoint and tokenizer at %s", path)
-        build_tiny_model(path, seed=recipe.seed)
-    else:
-        raise FileNotFoundError(f"model.path {path} is not a zaya checkpoint directory")
+    spec = recipe.model
+    build = (lambda path: build_tiny_model(path, seed=recipe.seed)) if spec.build_tiny_if_missing else None
+    path = local_checkpoint("model.path", spec.path, spec.revision, is_checkpoint_dir,
+                            "zaya checkpoint directory (config.json and *.safetensors)", build)
+    log.info("model: %s", path)
     return path
 
 

@@ -37,9 +37,16 @@ FORWARDED = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "
 _LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
 
 
+# Left to the caller in the driver: it resolves Hugging Face repo ids (zrl/hub.py), downloading one on first
+# use unless the user set HF_HUB_OFFLINE; actors get local directories only and keep the offline default.
+NOT_IN_DRIVER = frozenset({"HF_HUB_OFFLINE"})
+
+
 def apply_defaults() -> None:
+    """DEFAULTS for this process (a driver: the CLI, an in-process engine), except NOT_IN_DRIVER."""
     for key, value in DEFAULTS.items():
-        os.environ.setdefault(key, value)
+        if key not in NOT_IN_DRIVER:
+            os.environ.setdefault(key, value)
 
 
 def actor_env(cpus: float) -> dict[str, str]:

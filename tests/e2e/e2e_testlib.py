@@ -45,6 +45,8 @@ def rl_stage(name: str = "rl", steps: int = 4, checkpoint_every_steps: int = 50,
 
 def recipe(output_dir: Path, model_dir: Path, stages: list[dict], name: str = "e2e", tensorboard: bool = False,
            trainer_workers: int = 2) -> dict:
+    """`model_dir`: a checkpoint, or a scratch path (last component `tiny-*`) where the run builds the tiny
+    model (build_tiny_if_missing builds nowhere else: zrl/hub.py)."""
     return {"name": name, "model": {"path": str(model_dir), "build_tiny_if_missing": True, "dtype": "float32"},
             "output_dir": str(output_dir), "seed": 3, "resources": tiny_resources(trainer_workers),
             "metrics": {"wandb": {"enabled": False}, "tensorboard": tensorboard}, "stages": stages}

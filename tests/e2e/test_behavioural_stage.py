@@ -42,16 +42,16 @@ def held_out(checkpoint: Path, env: str, reward_model: Path) -> dict:
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tiny-behaviour")
     result = zrl("run", "recipes/tiny-behaviour-cpu.yaml", "--set", f"output_dir={run_dir}",
-                 "--set", f"model.path={run_dir / 'model'}", "--set", f"reward_model.path={run_dir / 'rm'}")
+                 "--set", f"model.path={run_dir / 'tiny-model'}", "--set", f"reward_model.path={run_dir / 'tiny-rm'}")
     return run_dir, result.stderr
 
 
 def test_rl_raises_the_reward_model_score_without_losing_instruction_following(run):
     run_dir, _ = run
     stages = run_dir / "stages"
-    before = {env: held_out(stages / "sft_warm_start" / "hf", env, run_dir / "rm")
+    before = {env: held_out(stages / "sft_warm_start" / "hf", env, run_dir / "tiny-rm")
               for env in ("chat_reward_model", "simple_instruction_following")}
-    after = {env: held_out(stages / "behavioral" / "hf", env, run_dir / "rm")
+    after = {env: held_out(stages / "behavioral" / "hf", env, run_dir / "tiny-rm")
              for env in ("chat_reward_model", "simple_instruction_following")}
     score = [r["chat_reward_model"]["metadata_means"]["rm_score"] for r in (before, after)]
     passed = [r["simple_instruction_following"]["reasons"].get("scored", 0.0) for r in (before, after)]

@@ -20,7 +20,7 @@ from zrl.run import RunDirectoryError, claim_run_dir, prepare_run_dir, recipe_ch
 
 
 def _recipe_file(tmp_path, **changes):
-    data = recipe(tmp_path / "run", tmp_path / "model", [sft_stage(steps=2), rl_stage(steps=4, env="arithmetic")])
+    data = recipe(tmp_path / "run", tmp_path / "tiny-model", [sft_stage(steps=2), rl_stage(steps=4, env="arithmetic")])
     for path, value in changes.items():
         node = data
         *parents, leaf = path.split(".")
@@ -153,15 +153,15 @@ def test_a_live_driver_holds_the_directory_and_a_dead_ones_processes_are_reaped(
 def test_wandb_keeps_one_run_id_across_a_resume(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    data = recipe(tmp_path / "run", tmp_path / "model", [sft_stage(steps=2)])
+    data = recipe(tmp_path / "run", tmp_path / "tiny-model", [sft_stage(steps=2)])
     data["metrics"] = {"wandb": {"enabled": True, "mode": "offline"}, "tensorboard": False}
     r = parse_recipe(data)
-    first = Cascade(r, tmp_path / "model")
+    first = Cascade(r, tmp_path / "tiny-model")
     logger = first._open_metrics()
     logger.log(1, {"loss/sft": 1.0})
     logger.close()
     run_id = (tmp_path / "run" / "wandb_run_id").read_text().strip()
-    resumed = Cascade(r, tmp_path / "model", resume=ResumePoint("sft", 1, tmp_path / "run" / "checkpoints" / "x"))
+    resumed = Cascade(r, tmp_path / "tiny-model", resume=ResumePoint("sft", 1, tmp_path / "run" / "checkpoints" / "x"))
     logger = resumed._open_metrics()
     logger.log(2, {"loss/sft": 0.5})
     logger.close()

@@ -38,7 +38,7 @@ def held_out_accuracy(checkpoint: Path) -> float:
 def cascade(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tiny-cascade")
     result = zrl("run", "recipes/tiny-cpu.yaml", "--set", f"output_dir={run_dir}",
-                 "--set", f"model.path={run_dir / 'model'}")
+                 "--set", f"model.path={run_dir / 'tiny-model'}")
     return run_dir, result.stderr
 
 

@@ -32,10 +32,15 @@ class Strict(BaseModel):
 
 class ModelSpec(Strict):
     path: str = Field(min_length=1,
-                      description="Hugging Face `zaya` checkpoint directory (config.json + safetensors + tokenizer)")
+                      description="Hugging Face `zaya` checkpoint (config.json + safetensors + tokenizer): a local "
+                                  "directory, or a Hub repo id `org/name` resolved in the Hugging Face cache and "
+                                  "downloaded on first use (zrl/hub.py)")
+    revision: str | None = Field(None, min_length=1, description="branch, tag or commit of a Hub repo id `path` "
+                                                                 "(default: main); not for a local directory")
     tokenizer_path: str | None = Field(None, min_length=1, description="tokenizer directory; defaults to `path`")
     build_tiny_if_missing: bool = Field(
-        False, description="build the tiny CPU checkpoint and tokenizer at `path` when it does not exist")
+        False, description="build the tiny CPU checkpoint and tokenizer at `path` when it holds none; only at a "
+                           "scratch asset path: a new or empty local directory whose name starts with `tiny-`")
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     kernels: Literal["auto", "triton", "reference"] = Field(
         "auto", description="trainer kernels (zrl/moepp/kernels): auto = per op the fastest measured on CUDA "
@@ -94,10 +99,14 @@ class RewardModelSpec(Strict):
     """The sequence-classification reward model that scores responses for reward-model environments
     (zrl/reward_model.py). Its raw score s becomes the reward sigmoid((s - score_center) / score_scale)."""
 
-    path: str = Field(min_length=1, description="Hugging Face sequence-classification checkpoint directory "
-                                                "(one label) with its tokenizer and chat template")
+    path: str = Field(min_length=1, description="Hugging Face sequence-classification checkpoint (one label) with "
+                                                "its tokenizer and chat template: a local directory or a Hub repo "
+                                                "id `org/name`, as `model.path`")
+    revision: str | None = Field(None, min_length=1, description="branch, tag or commit of a Hub repo id `path` "
+                                                                 "(default: main); not for a local directory")
     build_tiny_if_missing: bool = Field(
-        False, description="build and train the tiny CPU reward model at `path` when it does not exist")
+        False, description="build and train the tiny CPU reward model at `path` when it holds none; only at a "
+                           "scratch asset path, as `model.build_tiny_if_missing`")
     backend: Literal["transformers", "vllm"] = Field(
         "transformers", description="transformers forward, or vLLM's pooling runner")
     dtype: Literal["bfloat16", "float32"] = "bfloat16"

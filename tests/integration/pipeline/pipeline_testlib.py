@@ -6,6 +6,8 @@ STEPS = 8
 
 
 def recipe_data(tmp_path, model_dir, steps=STEPS, **asynchrony) -> dict:
+    """`model_dir`: a checkpoint, or a scratch path (last component `tiny-*`) where the run builds the tiny
+    model (build_tiny_if_missing builds nowhere else: zrl/hub.py)."""
     return {
         "name": "pipeline-test", "model": {"path": str(model_dir), "build_tiny_if_missing": True, "dtype": "float32"},
         "output_dir": str(tmp_path / "run"), "seed": 3,

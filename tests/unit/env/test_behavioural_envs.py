@@ -150,14 +150,14 @@ def test_recipe_checks(tmp_path):
     from zrl.preflight import check as preflight
 
     def recipe(advantage="grpo", reward_model=True):
-        data = {"name": "t", "model": {"path": str(tmp_path / "m"), "build_tiny_if_missing": True},
+        data = {"name": "t", "model": {"path": str(tmp_path / "tiny-model"), "build_tiny_if_missing": True},
                 "output_dir": str(tmp_path / "run"),
                 "stages": [{"name": "b", "kind": "rl", "steps": 1,
                             "environments": [{"name": "simple_instruction_following"}],
                             "sampling": {"max_prompt_tokens": 256, "max_response_tokens": 64},
                             "algorithm": {"advantage": advantage, "length_reward": {"enabled": False}}}]}
         if reward_model:
-            data["reward_model"] = {"path": str(tmp_path / "rm"), "build_tiny_if_missing": True}
+            data["reward_model"] = {"path": str(tmp_path / "tiny-rm"), "build_tiny_if_missing": True}
         return parse_recipe(data)
 
     assert preflight(recipe()).problems == []
