@@ -10,7 +10,7 @@ from torch import nn
 from serving.cca_state import request_layout, stateful_causal_convs, stateful_value_shift
 from serving.engine import SampleOutput, SamplingConfig, VersionSegment
 from serving.routing_capture import RoutingRecorder
-from serving.worker_ext import _make_cpu_generators_rewindable
+from serving.worker_ext import ZayaWorkerExtension, _make_cpu_generators_rewindable
 from zrl.types import NO_ROUTE
 
 pytestmark = pytest.mark.integration
@@ -163,6 +163,55 @@ def test_recorder_records_later_steps_in_order_from_copies():
     assert later.recomputed_rows == now.recomputed_rows == 2
     for req in ("a", "b"):
         assert later.pop(req).tolist() == now.pop(req).tolist()
+
+
+class HostReads(torch.Tensor):
+    """A tensor that counts the calls that bring device data to the host (each a device sync on CUDA)."""
+
+    reads = 0
+
+    def _count(self, name, *args, **kwargs):
+        HostReads.reads += 1
+        return getattr(torch.Tensor, name)(self.as_subclass(torch.Tensor), *args, **kwargs)
+
+    def cpu(self, *args, **kwargs):
+        return self._count("cpu", *args, **kwargs)
+
+    def numpy(self, *args, **kwargs):
+        return self._count("numpy", *args, **kwargs)
+
+    def item(self):
+        return self._count("item")
+
+    def tolist(self):
+        return self._count("tolist")
+
+
+def test_capture_hook_reads_nothing_back_during_the_step():
+    """The engine step's capture hook hands the step's routing and positions over without bringing them to
+    the host (was: two `.cpu()` per step, each a device sync on CUDA); they reach the recorder later."""
+    from types import SimpleNamespace
+
+    routing = torch.tensor([[1, 0], [2, 1], [0, 0]], dtype=torch.uint8)
+    model = SimpleNamespace(model=SimpleNamespace(layers=[None, None]), last_routing=None)
+
+    def model_forward(input_ids, positions):
+        model.last_routing = routing.as_subclass(HostReads)
+        return "hidden"
+
+    runner = SimpleNamespace(
+        get_model=lambda: model, model_config=SimpleNamespace(max_model_len=64), _model_forward=model_forward,
+        input_batch=SimpleNamespace(generators={}, num_reqs=2, req_ids=["a", "b"]),
+        query_start_loc=SimpleNamespace(np=np.array([0, 2, 3])))
+    worker = SimpleNamespace(model_runner=runner)
+    assert ZayaWorkerExtension.zaya_start_capture(worker) == 2
+    HostReads.reads = 0
+    positions = torch.tensor([0, 1, 5, 99]).as_subclass(HostReads)  # the runner's buffer: more rows than tokens
+    assert runner._model_forward(None, positions) == "hidden"
+    assert HostReads.reads == 0
+    assert ZayaWorkerExtension.zaya_positions_computed(worker, ["a", "b"]) == {"a": 2, "b": 6}
+    table = np.frombuffer(ZayaWorkerExtension.zaya_pop_routing(worker, ["b"])["b"], np.uint8).reshape(-1, 2)
+    assert table[5].tolist() == [0, 0] and (table[:5] == NO_ROUTE).all()
 
 
 def test_rewindable_generator_undoes_one_step_of_sampling():
