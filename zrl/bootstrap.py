@@ -26,15 +26,22 @@ Responsibilities and invariants:
   process of the environment finds it, a Ray job running an uploaded copy of the code included.
 """
 
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
-import zipfile
-from pathlib import Path
+
+# `python3 zrl/bootstrap.py` puts zrl/ first on sys.path, where zrl/types.py would shadow the standard
+# library's `types` (enum, dataclasses and others import it; an interpreter that has not loaded it at
+# start-up, as Debian's python3 has not, then fails). Nothing here imports from zrl/.
+if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
+    del sys.path[0]
+
+import hashlib  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import zipfile  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"

@@ -169,14 +169,17 @@ def cmd_ttc(args) -> int:
     options = _options(args.options)
     if isinstance(options, str):
         return _error([options])
-    checkpoint = _checkpoint(args)
-    if isinstance(checkpoint, str):
-        return _error([checkpoint])
-    try:
+    try:  # the settings first: a bad one is refused before a checkpoint is looked for or downloaded
         config = RSAConfig(num_candidates=args.population, num_aggregated=args.aggregate, num_rounds=args.rounds,
                            thinking_budget=args.thinking_budget, tail_tokens=args.tail_tokens,
                            answer_budget=args.answer_budget, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, hybrid=args.hybrid)
+    except ValueError as exc:
+        return _error([str(exc)])
+    checkpoint = _checkpoint(args)
+    if isinstance(checkpoint, str):
+        return _error([checkpoint])
+    try:
         result = evaluate_rsa(checkpoint, EnvironmentSpec(name=args.env, options=options), config,
                               num_prompts=args.num_prompts, dtype=args.dtype)
     except (ValueError, FileNotFoundError) as exc:  # bad settings or options: one line

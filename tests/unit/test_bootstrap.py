@@ -70,3 +70,13 @@ def test_gpu_and_cpu_together_are_refused(bin_dir):
     done = subprocess.run([sys.executable, str(BOOTSTRAP), "setup", "--dry-run", "--gpu", "--cpu"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "PATH": str(bin_dir)})
     assert done.returncode != 0 and done.stderr.strip() == "bootstrap: --gpu and --cpu exclude each other"
+
+
+def test_runs_on_an_interpreter_that_has_not_imported_types_yet(bin_dir):
+    """`python3 zrl/bootstrap.py` puts zrl/ first on sys.path; zrl/types.py must not shadow the standard
+    library's `types` there. `-S` (no site module) starts the interpreter as Debian's python3 does,
+    without `types` loaded: the bootstrap then failed with a circular import of zrl/types.py."""
+    done = subprocess.run([sys.executable, "-S", str(BOOTSTRAP), "setup", "--dry-run", "--cpu"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PATH": str(bin_dir)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert installs(done.stdout.splitlines()) == "cpu,dev"

@@ -55,7 +55,7 @@ import dataclasses
 
 import torch
 
-from zrl.moepp.kernels import resolve
+from zrl.moepp import kernels
 from zrl.moepp.kernels.lm_logprobs import default_chunk_tokens, token_logprobs
 from zrl.moepp.kernels.lm_logprobs.library import SplitProducts
 from zrl.moepp.kernels.lm_logprobs.reference import Fp32Products
@@ -121,7 +121,7 @@ def support_floor(hidden: torch.Tensor, weight: torch.Tensor, sampling: Sampling
     """
     # fp32 logits as the LM head's own path forms them: bf16 cuBLAS GEMMs on exact parts where CUDA runs
     # its library formulation, fp32 matmuls elsewhere
-    products = SplitProducts if resolve("lm_logprobs", hidden) == "library" else Fp32Products
+    products = SplitProducts if kernels.resolve("lm_logprobs", hidden) == "library" else Fp32Products
     head = products(to_op_dtype(hidden, Fp32Op.LM_HEAD), weight)
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     floors = [_floor(head.logits(slice(i, i + chunk)), sampling) for i in range(0, hidden.shape[0], chunk)]

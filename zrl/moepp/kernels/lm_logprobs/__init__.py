@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from zrl.moepp.kernels import resolve
+from zrl.moepp import kernels
 from zrl.moepp.kernels.lm_logprobs.library import token_logprobs_library
 from zrl.moepp.kernels.lm_logprobs.reference import default_chunk_tokens, token_logprobs_reference
 
@@ -52,7 +52,7 @@ def token_logprobs(
             raise ValueError(f"logit_floor must be [T] = {tuple(targets.shape)}, got {tuple(logit_floor.shape)}")
         logit_floor = logit_floor.detach().to(torch.float32)
     targets = targets.to(torch.int64)
-    choice = resolve("lm_logprobs", hidden)
+    choice = kernels.resolve("lm_logprobs", hidden)
     if choice == "triton":
         from zrl.moepp.kernels.lm_logprobs.triton_kernel import token_logprobs_triton
 
