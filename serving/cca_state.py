@@ -13,9 +13,16 @@ and is meaningful only when vLLM reports an initial state (n > 0). A step that c
 n .. n+m-1 of the request reads that state, treats it as the tokens just before its chunk, and writes
 back the last P inputs and the last delayed projection. vLLM reports no initial state exactly when a
 request's computed count is 0 — a new request, or a preempted one recomputed from scratch — so
-continuous batching, chunked prefill and preemption/recompute are exact. The state is not indexed by
-token position, so it cannot be restored for a cached prefix: prefix caching must be off (the plugin
-forces it off and the model refuses to start with it on).
+continuous batching, chunked prefill and preemption/recompute are exact. 
+Prefix caching uses vLLM's "align" state-cache mode, with the layer unchanged: a request's state slots
+are then block-indexed, a step that ends on a KV block boundary leaves the state of that boundary in the
+block's slot, and before a step vLLM copies the whole slot saved at the block a request resumes from
+(a prefix-cache hit, or the next block) into the slot the step writes. The invariant above therefore
+holds with n = the cached token count. This is exact only where a state was saved, i.e. for hits on
+whole KV blocks: hits inside a block (prefix_match_unit below the block size) and shared-prefix
+checkpoints would need a state from the middle of a chunk, and are refused (zaya_vllm._check_supported,
+worker_ext). Cached prompt positions are never computed by the requests that reuse them; their routing
+rows come from the KV slots they were recorded in (routing_capture.py).
 
 Shapes (docs/shapes.md): T tokens in the step, N requests, C = (Hq + Hk) d conv channels, P history,
 Vd = Hk d / 2.

@@ -137,8 +137,12 @@ class RolloutEngine:
         max_num_batched_tokens: int | None = None,
         seed: int = 0,
         policy_version: int = 0,
+        prefix_caching: bool = False,
         **engine_kwargs: Any,
     ) -> None:
+        """prefix_caching: the samples of a group (and later groups of the same prompt under the same policy
+        version) reuse the prompt's computed KV blocks and CCA state instead of prefilling it again; exact
+        (serving/cca_state.py), and each reused position's routing is the one recorded when it was computed."""
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -148,10 +152,14 @@ class RolloutEngine:
             logger.warning("VLLM_ENABLE_V1_MULTIPROCESSING is not 0: weight updates and routing then "
                            "cross a process boundary by serialisation")
         register()  # in this process; vLLM's own processes load it through the entry point
+        # The routing capture hooks vLLM's V1 model runner (worker_ext.py); vLLM picks V2 by default on CUDA.
+        if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False"):
+            raise ValueError("VLLM_USE_V2_MODEL_RUNNER: the ZAYA rollout engine needs vLLM's V1 model runner "
+                             "(its routing capture hooks it); unset the variable or set it to 0")
         args = EngineArgs(
             model=str(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, seed=seed, enforce_eager=True,
-            enable_prefix_caching=False, logprobs_mode="processed_logprobs", max_logprobs=0,
+            enable_prefix_caching=prefix_caching, logprobs_mode="processed_logprobs", max_logprobs=0,
             worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
         self._engine = LLMEngine.from_engine_args(args)
         self._tokenizer = self._engine.get_tokenizer()
@@ -206,7 +214,9 @@ class RolloutEngine:
                 seed=None if base_seed is None else base_seed + i, logprobs=0, flat_logprobs=True,
                 detokenize=detokenize, output_kind=RequestOutputKind.FINAL_ONLY, ignore_eos=sampling.ignore_eos)
             external_id = f"zrl-{next(self._ids)}"
-            internal_id = self._engine.add_request(external_id, {"prompt_token_ids": prompt.tolist()}, params)
+            # The salt keeps a prefix computed under one policy version from serving another one.
+            request = {"prompt_token_ids": prompt.tolist(), "cache_salt": f"policy-v{self.version}"}
+            internal_id = self._engine.add_request(external_id, request, params)
             self._pending[external_id] = _Pending(group_id, i, internal_id, prompt, not detokenize,
                                                   [VersionSegment(0, self.version)])
         return group_id

@@ -11,6 +11,12 @@ Storage is paged: requests own fixed-size pages of one shared uint8 pool, so mem
 tokens actually in flight, and a step is recorded with a few vectorised numpy operations whatever
 the number of requests (a Python loop runs only over requests that cross into a new page).
 
+With prefix caching, a request that reuses cached KV blocks never computes their positions; their rows
+are those recorded when the blocks were computed. The recorder then also keeps every recorded row per
+physical KV slot (block id x block size + offset in the attention group's block table) and, the first time
+a request runs from position p > 0, copies rows 0..p-1 from the slots its block table names. A step's own
+rows are stored before any copy, so a hit on blocks computed in the same step reads them too.
+
 `record_later` takes a step's routing and positions as device tensors without waiting for the device:
 on CUDA they are copied into pinned host memory with non_blocking copies on the compute stream (so
 ordered after the forward that wrote them and before the runner reuses its buffers), and the step is
@@ -49,9 +55,14 @@ class _HostCopy:
 
 
 class RoutingRecorder:
-    def __init__(self, num_layers: int, max_positions: int, page_rows: int = 128) -> None:
+    def __init__(self, num_layers: int, max_positions: int, page_rows: int = 128,
+                 kv_block_size: int | None = None) -> None:
+        """kv_block_size: the attention group's KV block size when prefix caching is on (module docstring)."""
         self.num_layers = num_layers
         self.page_rows = page_rows
+        self.kv_block_size = kv_block_size
+        self.cached_rows = 0  # rows copied from the KV-slot store for prefix-cache hits
+        self._by_kv_slot = np.full((0, num_layers), NO_ROUTE, np.uint8)  # [KV slots, L]
         self.max_pages = -(-max_positions // page_rows)
         self.recomputed_rows = 0
         self._pool = np.full((0, page_rows, num_layers), NO_ROUTE, np.uint8)  # [pages, rows, L]
@@ -61,28 +72,34 @@ class RoutingRecorder:
         self._page_table = np.full((0, self.max_pages), -1, np.int64)  # [slots, max_pages]
         self._num_pages = np.zeros(0, np.int64)  # [slots]
         self._computed = np.zeros(0, np.int64)  # [slots] highest computed position + 1
-        self._pending: list[tuple[list[str], np.ndarray, _HostCopy, _HostCopy]] = []  # steps not yet recorded
+        self._pending: list[tuple] = []  # steps not yet recorded: record's arguments, tensors as _HostCopy
 
     def record_later(self, req_ids: list[str], query_start_loc: np.ndarray, positions: torch.Tensor,
-                     routing: torch.Tensor) -> None:
+                     routing: torch.Tensor, kv_blocks: np.ndarray | None = None) -> None:
         """As `record`, with positions [T] and routing [T, L] still on the device (module docstring)."""
         self._record_pending()
-        self._pending.append((list(req_ids), query_start_loc.copy(), _HostCopy(positions), _HostCopy(routing)))
+        self._pending.append((list(req_ids), query_start_loc.copy(), _HostCopy(positions), _HostCopy(routing),
+                              None if kv_blocks is None else kv_blocks.copy()))
 
     def _record_pending(self) -> None:
         pending, self._pending = self._pending, []
-        for req_ids, qsl, positions, routing in pending:
-            self.record(req_ids, qsl, positions.numpy(), routing.numpy())
+        for req_ids, qsl, positions, routing, kv_blocks in pending:
+            self.record(req_ids, qsl, positions.numpy(), routing.numpy(), kv_blocks)
 
     def record(self, req_ids: list[str], query_start_loc: np.ndarray, positions: np.ndarray,
-               routing: np.ndarray) -> None:
-        """routing [T, L] and positions [T] of one forward; request r owns rows qsl[r]:qsl[r + 1]."""
+               routing: np.ndarray, kv_blocks: np.ndarray | None = None) -> None:
+        """routing [T, L] and positions [T] of one forward; request r owns rows qsl[r]:qsl[r + 1].
+
+        kv_blocks [N, W]: each request's KV block ids (its block-table row, at least up to its last
+        position), given when prefix caching is on.
+        """
         self._record_pending()
         lengths = np.diff(query_start_loc)
         if (lengths <= 0).any():
             keep = lengths > 0
             req_ids = [r for r, k in zip(req_ids, keep) if k]
             query_start_loc = np.concatenate([[0], np.cumsum(lengths[keep])])
+            kv_blocks = None if kv_blocks is None else kv_blocks[keep]
             lengths = lengths[keep]
         if not req_ids:
             return
@@ -95,10 +112,33 @@ class RoutingRecorder:
         for i in np.nonzero(needed > self._num_pages[slots])[0]:
             self._add_pages(int(slots[i]), int(needed[i]))
         token_slots = np.repeat(slots, lengths)  # [T]
-        pages = self._page_table[token_slots, positions // self.page_rows]
         self.recomputed_rows += int((positions < self._computed[token_slots]).sum())
-        self._pool[pages, positions % self.page_rows] = routing
+        self._write(token_slots, positions, routing)
+        if kv_blocks is not None:
+            self._through_kv_slots(slots, lengths, positions[query_start_loc[:-1]], positions, routing, kv_blocks)
         np.maximum.at(self._computed, token_slots, positions + 1)
+
+    def _write(self, token_slots: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> None:
+        pages = self._page_table[token_slots, positions // self.page_rows]
+        self._pool[pages, positions % self.page_rows] = rows
+
+    def _through_kv_slots(self, slots: np.ndarray, lengths: np.ndarray, first: np.ndarray, positions: np.ndarray,
+                          routing: np.ndarray, kv_blocks: np.ndarray) -> None:
+        """Store the step's rows by KV slot, then give each new request whose first position is p > 0 (a
+        prefix-cache hit) the rows of positions 0..p-1 from the slots its block table names."""
+        size = self.kv_block_size
+        kv_slots = kv_blocks[np.repeat(np.arange(len(slots)), lengths), positions // size] * size + positions % size
+        needed = (int(kv_blocks.max()) + 1) * size  # every slot the step's block tables name
+        if needed > len(self._by_kv_slot):
+            grown = np.full((max(needed, 2 * len(self._by_kv_slot)), self.num_layers), NO_ROUTE, np.uint8)
+            grown[: len(self._by_kv_slot)] = self._by_kv_slot
+            self._by_kv_slot = grown
+        self._by_kv_slot[kv_slots] = routing
+        for i in np.nonzero((self._computed[slots] == 0) & (first > 0))[0]:
+            cached = np.arange(int(first[i]))
+            self._write(np.full(len(cached), slots[i]), cached,
+                        self._by_kv_slot[kv_blocks[i, cached // size] * size + cached % size])
+            self.cached_rows += len(cached)
 
     def positions_computed(self, req_id: str) -> int:
         """Highest computed position + 1 of a request so far (0 if none; recomputation does not lower it)."""

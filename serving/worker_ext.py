@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from serving.routing_capture import RoutingRecorder
@@ -53,19 +54,26 @@ class ZayaWorkerExtension:
         if getattr(runner, "_zaya_recorder", None) is not None:
             return runner._zaya_recorder.num_layers
         model = runner.get_model()
-        recorder = RoutingRecorder(len(model.model.layers), runner.model_config.max_model_len)
+        kv_group = _attention_group(runner) if runner.cache_config.enable_prefix_caching else None
+        recorder = RoutingRecorder(len(model.model.layers), runner.model_config.max_model_len,
+                                   kv_block_size=None if kv_group is None else kv_group.block_size)
         forward = runner._model_forward
 
         def forward_and_record(*args, **kwargs):
-            _make_cpu_generators_rewindable(runner.input_batch.generators)
+            _make_cpu_generators_rewindable(runner.input_batch, runner.requests)
             output = forward(*args, **kwargs)
-            num_reqs = runner.input_batch.num_reqs
+            batch = runner.input_batch
+            num_reqs = batch.num_reqs
             qsl = runner.query_start_loc.np[: num_reqs + 1]
             num_tokens = int(qsl[-1])  # qsl is the runner's host copy: no device sync
             positions = (kwargs["positions"] if "positions" in kwargs else args[1])[:num_tokens]
+            kv_blocks = None
+            if kv_group is not None:  # host arrays: the block-table rows up to each request's last position
+                ends = batch.num_computed_tokens_cpu[:num_reqs] + np.diff(qsl)
+                kv_blocks = kv_group.block_table.np[:num_reqs, : -(-int(ends.max()) // kv_group.block_size)]
             # No wait for the device here: the copies to the host run behind the step (routing_capture.py).
-            recorder.record_later(runner.input_batch.req_ids[:num_reqs], qsl, positions,
-                                  model.last_routing[:num_tokens])
+            recorder.record_later(batch.req_ids[:num_reqs], qsl, positions, model.last_routing[:num_tokens],
+                                  kv_blocks)
             return output
 
         runner._model_forward = forward_and_record
@@ -85,7 +93,8 @@ class ZayaWorkerExtension:
     def zaya_capture_stats(self) -> dict[str, int]:
         recorder = self.model_runner._zaya_recorder
         open_requests = len(recorder)  # records the steps still pending first
-        return {"open_requests": open_requests, "recomputed_rows": recorder.recomputed_rows}
+        return {"open_requests": open_requests, "recomputed_rows": recorder.recomputed_rows,
+                "cached_rows": recorder.cached_rows}
 
     def zaya_discard_routing(self, req_ids: list[str]) -> None:
         self.model_runner._zaya_recorder.discard(req_ids)
@@ -109,6 +118,26 @@ class ZayaWorkerExtension:
         seconds = time.perf_counter() - start
         logger.debug("ZAYA weight update: %.1f ms (%d CPU MoE layers repacked)", seconds * 1e3, repacked)
         return seconds
+
+
+def _attention_group(runner):
+    """The block table of the runner's attention KV group, whose block ids name where each token's KV lives.
+
+    A prefix-cache hit must land on a boundary of those blocks: there the CCA state was saved (vLLM's
+    "align" mode saves it at every block boundary a step ends on), and the recorder copies whole blocks.
+    """
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    groups = [i for i, g in enumerate(runner.kv_cache_config.kv_cache_groups)
+              if isinstance(g.kv_cache_spec, AttentionSpec)]
+    if len(groups) != 1:
+        raise ValueError(f"prefix caching with routing capture needs one attention KV group, found {len(groups)}")
+    table = runner.input_batch.block_table.block_tables[groups[0]]
+    alignment = runner.cache_config.cache_hit_alignment_tokens
+    if alignment is not None and alignment != table.block_size:
+        raise ValueError(f"prefix caching: cache hits land every {alignment} tokens but the KV block is "
+                         f"{table.block_size}; set prefix_match_unit to the block size")
+    return table
 
 
 def _check_complete(expected: frozenset[str], given: set[str]) -> None:
@@ -153,15 +182,19 @@ class _RewindableCpuGenerator(torch.Generator):
         self.set_state(self._step_state)
 
 
-def _make_cpu_generators_rewindable(generators: dict[int, torch.Generator]) -> None:
-    """Swap seeded CPU generators for rewindable ones (same state) and snapshot them before a step."""
-    for index, generator in list(generators.items()):
+def _make_cpu_generators_rewindable(batch, requests: dict) -> None:
+    """Swap seeded CPU generators for rewindable ones (same state) and snapshot them before a step.
+
+    The swap is made in the batch and in the runner's request state: a preempted request re-enters the
+    batch with the request state's generator, which must be the one that has been drawing (else its
+    samples after the preemption would repeat draws made before it)."""
+    for index, generator in list(batch.generators.items()):
         if generator.device.type != "cpu":
             continue
         if not isinstance(generator, _RewindableCpuGenerator):
             replacement = _RewindableCpuGenerator(device="cpu")
             replacement.set_state(generator.get_state())
-            generators[index] = generator = replacement
+            batch.generators[index] = requests[batch.req_ids[index]].generator = generator = replacement
         generator.snapshot()
 
 

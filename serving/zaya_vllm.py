@@ -18,8 +18,9 @@ to requests. Expert gating: FusedMoE receives a one-hot "logit" per token (weigh
 real expert, all zero for the skip class) and the fp32 gate probability multiplies its output here,
 as zrl.moepp does (expert output in the compute dtype, times the fp32 gate, into the fp32 stream).
 
-Limits (checked at start-up): tensor/pipeline parallel size 1, eager execution, no prefix caching,
-no speculative decoding. Checkpoint keys are the Hugging Face `zaya` ones.
+Limits (checked at start-up): tensor/pipeline parallel size 1, eager execution, no speculative decoding;
+prefix caching only in vLLM's "align" state-cache mode with hits on whole KV blocks (cca_state.py).
+Checkpoint keys are the Hugging Face `zaya` ones.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     @classmethod
     def get_mamba_state_copy_func(cls):
-        # Whole-slot copies; only vLLM's prefix-caching ("align") mode uses them, which stays off.
+        # Whole-slot copies: with prefix caching ("align" mode) vLLM copies the slot saved at the block a
+        # request resumes from into the slot it runs in; a slot is the state after a token count, so whole.
         return get_temporal_copy_spec, get_temporal_copy_spec
 
     # ---------------------------------------------------------------- forward
@@ -348,9 +350,16 @@ def _check_supported(vllm_config: VllmConfig) -> None:
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise ValueError("the ZAYA vLLM model runs with tensor_parallel_size = pipeline_parallel_size = 1 "
                          "(the CCA convolutions and mean skip are not sharded)")
-    if vllm_config.cache_config.enable_prefix_caching:
-        raise ValueError("the ZAYA vLLM model needs enable_prefix_caching=False: the CCA state is per "
-                         "request, not per cached block (the zrl plugin turns it off)")
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching and cache.mamba_cache_mode != "align":
+        raise ValueError(f"the ZAYA vLLM model caches prefixes only in mamba_cache_mode 'align' (its CCA state "
+                         f"is saved at KV block boundaries), got {cache.mamba_cache_mode!r}")
+    if cache.enable_mamba_shared_prefix_checkpoint:
+        raise ValueError("the ZAYA vLLM model needs enable_mamba_shared_prefix_checkpoint=False: its CCA state "
+                         "is saved only at KV block boundaries")
+    # Not graph-safe yet: the CCA state layer reads the step's request layout as host values and gathers a
+    # variable number of state rows. The way there is running it as a splitting op between piecewise graphs
+    # with static state-index buffers (docs/design.md, "Rollout engine settings").
     if not vllm_config.model_config.enforce_eager:
         raise ValueError("the ZAYA vLLM model needs enforce_eager=True: its CCA state layer reads "
                          "per-step metadata that CUDA graphs / torch.compile would freeze")

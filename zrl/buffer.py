@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple
@@ -76,6 +75,7 @@ import numpy as np
 from zrl.algorithms import SolveRateFrontier, length_coef, score_group
 from zrl.canaries import compressibility_report, repetition_gate
 from zrl.config.schema import Algorithm, Asynchrony, RLStage, Sampling
+from zrl.metrics import batch_metrics
 from zrl.trainer.packing import split_batch
 from zrl.types import RolloutGroup, TrainBatch, Verification, stream_place
 
@@ -112,6 +112,7 @@ class BatchTicket:
     num_sequences: int
     num_response_tokens: int
     max_staleness: int
+    metrics: Mapping[str, float]  # zrl.metrics.batch_metrics of the batch: what this step trains on
 
 
 class _Entry(NamedTuple):
@@ -229,21 +230,18 @@ class BatchQueue:
 
 
 class _Window:
-    """Means reported by `metrics` over the groups received since its previous call."""
+    """Means reported by `metrics` over the groups received since its previous call (dropped ones too:
+    these watch what the rollout workers generate; the released batch's values are `batch_metrics`)."""
 
     def __init__(self) -> None:
         self.rollouts = 0
         self.reward_sum = 0.0          # verifier rewards
-        self.gated_reward_sum = 0.0    # after the repetition gate
         self.flagged = 0
         self.verifier_errors = 0
-        self.length_sum = 0
         self.bonus_sum = 0.0
         self.bonus_rollouts = 0        # rollouts with a non-zero Δr
         self.groups = 0
         self.bonus_groups = 0
-        self.env_reward: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-        self.reasons: Counter[tuple[str, str]] = Counter()  # (env, reason) of verifications that give one
 
 
 class RolloutBuffer:
@@ -350,7 +348,7 @@ class RolloutBuffer:
             c=self.length_coef() if spec.enabled else None, l_max=self.sampling.max_response_tokens,
             p_star=self.frontier.p_star(group.prompt.data_source), accuracy_tolerance=spec.accuracy_tolerance,
             tolerance_tokens=spec.tolerance_tokens)
-        self._record_received(group, task, rewards, flagged, lengths, bonus)
+        self._record_received(group, task, rewards, flagged, bonus)
         if advantages is None:
             self._counts["dropped_zero_signal"] += 1
             return Admission(group.group_id, "dropped_zero_signal", flagged, 0, 0)
@@ -364,15 +362,10 @@ class RolloutBuffer:
         return Admission(group.group_id, status, flagged, stale, capacity)
 
     def _record_received(self, group: RolloutGroup, task: np.ndarray, rewards: np.ndarray,
-                         flagged: int, lengths: np.ndarray, bonus: np.ndarray) -> None:
+                         flagged: int, bonus: np.ndarray) -> None:
         g = group.size
-        errors = 0
+        errors = sum(v.error is not None for v in group.verifications)
         w = self._window
-        for v in group.verifications:
-            errors += v.error is not None
-            reason = v.metadata.get("reason")
-            if isinstance(reason, str):
-                w.reasons[group.prompt.env, reason.replace(" ", "_")] += 1
         task_sum = float(task.sum())
         gated_sum = float(rewards.sum()) if flagged else task_sum  # the gate zeroes flagged rewards only
         bonus_rollouts = int(np.count_nonzero(bonus))
@@ -384,16 +377,11 @@ class RolloutBuffer:
         w.groups += 1
         w.rollouts += g
         w.reward_sum += task_sum
-        w.gated_reward_sum += gated_sum
         w.flagged += flagged
         w.verifier_errors += errors
-        w.length_sum += int(lengths.sum())
         w.bonus_sum += float(bonus.sum()) if bonus_rollouts else 0.0
         w.bonus_rollouts += bonus_rollouts
         w.bonus_groups += int(bonus_rollouts > 0)
-        env = w.env_reward[group.prompt.env]
-        env[0] += task_sum
-        env[1] += g
         # The frontier sees earlier observation batches only: accumulate, flush every B groups.
         pending = self._pending_solve.setdefault(group.prompt.data_source, [0.0, 0])
         pending[0] += gated_sum
@@ -431,7 +419,8 @@ class RolloutBuffer:
         if batch is None:
             return (None,) * (1 + world_size)
         ticket = BatchTicket(trainer_step=step, num_groups=len(batch.groups), num_sequences=batch.num_sequences,
-                             num_response_tokens=batch.num_response_tokens, max_staleness=batch.max_staleness)
+                             num_response_tokens=batch.num_response_tokens, max_staleness=batch.max_staleness,
+                             metrics=batch_metrics(batch, self.asynchrony.max_staleness_steps))
         return (ticket, *split_batch(batch, world_size, token_budget))
 
     # --- pacing ----------------------------------------------------------------------------------
@@ -447,9 +436,10 @@ class RolloutBuffer:
     # --- metrics and state -----------------------------------------------------------------------
 
     def metrics(self, reset_window: bool = True) -> dict[str, float]:
-        """Cumulative counts (buffer/, canary/, env/, staleness/<k>) and means over the groups received
-        since the previous call (reward/, lengths/, length_reward/, fractions); window means are
-        omitted when no group arrived. `reset_window=False` leaves the window open."""
+        """Cumulative counts (buffer/, canary/, env/, staleness/cumulative_*) and means over the groups
+        received since the previous call (reward/received_mean, length_reward/, fractions); window means
+        are omitted when no group arrived. `reset_window=False` leaves the window open. The values of a
+        released batch come with its ticket (`release`)."""
         c = self.counts()
         out: dict[str, float] = {f"buffer/{k}": float(c[k]) for k in
                                  ("received", "admitted", "dropped_zero_signal", "kept_for_length",
@@ -464,24 +454,19 @@ class RolloutBuffer:
         out["env/verifier_errors"] = float(c["verifier_errors"])
         released_rollouts = sum(self._staleness_hist.values())
         for s in range(self.asynchrony.max_staleness_steps + 1):
-            out[f"staleness/{s}"] = float(self._staleness_hist.get(s, 0))
+            out[f"staleness/cumulative_{s}"] = float(self._staleness_hist.get(s, 0))
         if released_rollouts:
-            out["staleness/max"] = float(max(self._staleness_hist))
-            out["staleness/mean"] = sum(s * n for s, n in self._staleness_hist.items()) / released_rollouts
+            out["staleness/cumulative_max"] = float(max(self._staleness_hist))
+            out["staleness/cumulative_mean"] = (sum(s * n for s, n in self._staleness_hist.items()) /
+                                                released_rollouts)
         out["length_reward/c"] = self.length_coef()
         for source, p_star in self.frontier.state_dict().items():
             out[f"length_reward/p_star/{source}"] = p_star
         w = self._window
         if w.rollouts:
-            out["reward/mean"] = w.reward_sum / w.rollouts
-            out["reward/gated_mean"] = w.gated_reward_sum / w.rollouts
-            for env, (total, count) in sorted(w.env_reward.items()):
-                out[f"reward/{env}"] = total / count
-            for (env, reason), count in sorted(w.reasons.items()):
-                out[f"verify/{env}/{reason}"] = count / w.env_reward[env][1]
+            out["reward/received_mean"] = w.reward_sum / w.rollouts
             out["canary/lz77_flagged_fraction"] = w.flagged / w.rollouts
             out["env/verifier_error_fraction"] = w.verifier_errors / w.rollouts
-            out["lengths/response_mean"] = w.length_sum / w.rollouts
             out["length_reward/bonus_mean"] = w.bonus_sum / w.rollouts
             out["length_reward/active_rollout_fraction"] = w.bonus_rollouts / w.rollouts
             out["length_reward/active_group_fraction"] = w.bonus_groups / w.groups

@@ -4,15 +4,26 @@ Entry points stay thin: parsing and printing here, work in the library. A user's
 file, bad YAML, unknown field, wrong type, out-of-range value, a bad `--set`, and every problem
 zrl.preflight finds before Ray starts) prints one line per problem to stderr,
 `zrl: error: <file or option>: <field>: <reason>`, and exits with EXIT_BAD_INPUT, without a traceback.
-`zrl validate` notes what the recipe names but this machine lacks (an environment not installed here,
-a model directory not present, a Hugging Face repo not cached while offline) and still succeeds; `zrl
-run` refuses those too. It also says which directory each model path resolves to (zrl/hub.py). A model
-path that cannot be had (zrl.hub.ModelPathError) is one line, whichever command meets it.
+Everything wrong in the recipe itself (schema, cross-field rules, an unknown environment name, options
+an environment rejects) fails `zrl validate` and `zrl run` alike. What is merely absent on this
+machine (a model directory, a repo to download, a data file, GPUs: zrl.preflight) is listed by `zrl
+validate`, which still succeeds unless --strict; `zrl run` refuses what it cannot fetch. `zrl validate`
+prints a one-screen summary (stages, environments, which directory each model path resolves to:
+zrl/hub.py); --full adds the resolved recipe. A model path that cannot be had (zrl.hub.ModelPathError)
+is one line, whichever command meets it.
+
+Output: a command's result goes to stdout (a table, or one JSON document with --json: validate, envs,
+plan, eval, ttc); every log line goes to stderr, vLLM's included (VLLM_LOGGING_STREAM), and only zrl's
+own lines carry the `[zrl HH:MM:SS]` prefix.
 """
 
 import argparse
+import dataclasses
 import faulthandler
+import json
 import logging
+import math
+import os
 import shlex
 import signal
 import sys
@@ -45,41 +56,106 @@ def _findings_lines(source: str, findings: list[tuple[str, str]]) -> list[str]:
     return [f"{source}: {field}: {reason}" for field, reason in findings]
 
 
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    """Rows under a header, each column as wide as its longest cell; numbers right-aligned."""
+    cells = [[_cell(v) for v in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    numeric = [bool(rows) and all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip()
+                     for row in cells) + "\n"
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def _finite(value):
+    """`value` with NaN and infinities as None: JSON has no such numbers (json.dumps would write NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _print_json(value) -> None:
+    sys.stdout.write(json.dumps(_finite(value), allow_nan=False) + "\n")
+
+
+def _entries(stage) -> list[str]:
+    """Each environment entry of `stage` by its key, with the environment's name where the two differ."""
+    return [key if key == spec.name else f"{key} ({spec.name})"
+            for key, spec in zip(stage.entry_keys(), stage.environments)]
+
+
 def cmd_validate(args) -> int:
     from zrl.preflight import check
 
     recipe = _load(args)
     findings = check(recipe)
+    absent = findings.missing + findings.pending
+    if args.json:
+        _print_json({
+            "recipe": recipe.name, "ok": not findings.problems and not (args.strict and absent),
+            "stages": [{"name": s.name, "kind": s.kind, "steps": s.steps, "environments": _entries(s)}
+                       for s in recipe.stages],
+            "models": dict(findings.models),
+            "data": [{"stage": stage, "entry": entry, "file": path, "status": status}
+                     for stage, files in findings.data.items() for entry, path, status in files],
+            "problems": [{"field": f, "reason": r} for f, r in findings.problems],
+            "absent": [{"field": f, "reason": r} for f, r in absent],
+            **({"resolved": recipe.model_dump(mode="json")} if args.full else {})})
     if findings.problems:
         return _error(_findings_lines(args.recipe, findings.problems))
-    sys.stdout.write(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-    sys.stdout.write(f"# schema: OK ({len(recipe.stages)} stages)\n")
-    for item, source in findings.models:
-        sys.stdout.write(f"# {item}: {source}\n")
-    if findings.missing:
-        sys.stdout.write(f"# availability: {len(findings.missing)} item(s) not available on this machine:\n")
-        for item, problem in findings.missing:
-            sys.stdout.write(f"#   {item}: {problem}\n")
-    else:
-        sys.stdout.write("# availability: every environment and the model are available\n")
-    for stage, files in findings.data.items():
-        if files:
-            sys.stdout.write(f"# data of stage {stage}:\n")
-            for entry, path, status in files:
-                sys.stdout.write(f"#   {entry}: {path}: {status}\n")
+    if not args.json:
+        sys.stdout.write(_summary(recipe, findings, absent))
+        if args.full:
+            sys.stdout.write("\nresolved recipe (defaults filled in):\n"
+                             + yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    if args.strict and absent:
+        return _error([f"{line} (--strict: absent on this machine)" for line in _findings_lines(args.recipe, absent)])
     return 0
+
+
+def _summary(recipe: Recipe, findings, absent: list[tuple[str, str]]) -> str:
+    """`zrl validate`'s one screen: the stages, where each model comes from, the data, what is absent here."""
+    out = [f"{recipe.name}: valid, {_plural(len(recipe.stages), 'stage')}, output_dir {recipe.output_dir}\n",
+           _table(["stage", "kind", "steps", "environments"],
+                 [[s.name, s.kind, s.steps, ", ".join(_entries(s))] for s in recipe.stages])]
+    out += [f"{item}: {source}\n" for item, source in findings.models]
+    files = [[stage, entry, path, status] for stage, rows in findings.data.items() for entry, path, status in rows]
+    if files:
+        out.append("data files:\n" + _table(["stage", "entry", "file", "status"], files))
+    if absent:
+        out.append(f"absent on this machine ({_plural(len(absent), 'item')}; a run needs them, --strict fails on "
+                   "them):\n")
+        out += [f"  {item}: {reason}\n" for item, reason in absent]
+    else:
+        out.append("absent on this machine: nothing\n")
+    return "".join(out)
 
 
 def cmd_envs(args) -> int:
     from zrl.env import registry
 
-    names = registry.names()
-    if not names:
+    infos = [registry.get(name) for name in registry.names()]
+    if args.json:
+        _print_json([{"name": i.name, "reward_type": i.reward_type, "description": i.description, "source": i.source}
+                     for i in infos])
+    elif not infos:
         sys.stdout.write("no environments registered (install a package exposing `zrl.environments` "
                          "entry points, or reference `module:Class` in a recipe)\n")
-    for name in names:
-        info = registry.get(name)
-        sys.stdout.write(f"{name:24s} {info.reward_type or '-':10s} {info.description}\n")
+    else:
+        sys.stdout.write(_table(["name", "reward", "description"],
+                               [[i.name, i.reward_type or "-", i.description] for i in infos]))
     return 0
 
 
@@ -95,8 +171,13 @@ def cmd_run(args) -> int:
     from zrl.preflight import check
     from zrl.run import RunDirectoryError, run_recipe
 
+    if args.address and args.address.startswith(("http://", "https://")):
+        return _error([f"--address: {args.address} is a Ray job submission (dashboard) address; submit there with "
+                       f"`ray job submit --address {args.address} -- zrl run RECIPE`, or give the cluster's address "
+                       "(ray://host:10001, host:6379 or auto)"])
     recipe = _load(args)
-    findings = check(recipe)
+    # GPUs are counted here only when the run starts its own Ray on this machine
+    findings = check(recipe, gpus_here=not (args.address or os.environ.get("RAY_ADDRESS")))
     if findings.problems or findings.missing:
         return _error(_findings_lines(args.recipe, findings.problems + findings.missing))
     try:
@@ -135,16 +216,41 @@ def _checkpoint(args) -> Path | str:
     return local
 
 
-def cmd_eval(args) -> int:
-    import dataclasses
-    import json
+def _environment(name: str) -> str | None:
+    """The one-line reason `--env NAME` names no environment (with the closest names), or None."""
+    from zrl.env import UnknownEnvironmentError, registry
+    from zrl.preflight import unknown_environment
 
+    if ":" in name:
+        return None  # a `module:Class` reference: imported, and its errors reported, where it is built
+    try:
+        registry.get(name)
+    except UnknownEnvironmentError as exc:
+        return f"--env: {unknown_environment(name, exc)}"
+    return None
+
+
+def _flat(value: dict, prefix: str = "") -> list[list]:
+    """[key, value] rows of a nested mapping, nested keys joined by dots."""
+    rows = []
+    for key, item in value.items():
+        if isinstance(item, dict):
+            rows += _flat(item, f"{prefix}{key}.")
+        else:
+            rows.append([f"{prefix}{key}", item])
+    return rows
+
+
+def cmd_eval(args) -> int:
     from zrl.config.schema import EnvironmentSpec, RewardModelSpec
     from zrl.evaluate import evaluate
 
     options = _options(args.options)
     if isinstance(options, str):
         return _error([options])
+    unknown = _environment(args.env)
+    if unknown:
+        return _error([unknown])
     checkpoint = _checkpoint(args)
     if isinstance(checkpoint, str):
         return _error([checkpoint])
@@ -156,13 +262,14 @@ def cmd_eval(args) -> int:
                           reward_model=reward_model, split=args.split, save_rollouts=args.save_rollouts)
     except (ValueError, FileNotFoundError) as exc:  # bad options, a missing reward model: one line
         return _error([str(exc)])
-    sys.stdout.write(json.dumps(dataclasses.asdict(result)) + "\n")
+    if args.json:
+        _print_json(dataclasses.asdict(result))
+    else:
+        sys.stdout.write(_table(["result", "value"], _flat(dataclasses.asdict(result))))
     return 0
 
 
 def cmd_ttc(args) -> int:
-    import json
-
     from serving.rsa import RSAConfig, evaluate_rsa
     from zrl.config.schema import EnvironmentSpec
 
@@ -176,6 +283,9 @@ def cmd_ttc(args) -> int:
                            seed=args.seed, hybrid=args.hybrid)
     except ValueError as exc:
         return _error([str(exc)])
+    unknown = _environment(args.env)
+    if unknown:
+        return _error([unknown])
     checkpoint = _checkpoint(args)
     if isinstance(checkpoint, str):
         return _error([checkpoint])
@@ -185,18 +295,24 @@ def cmd_ttc(args) -> int:
     except (ValueError, FileNotFoundError) as exc:  # bad settings or options: one line
         return _error([str(exc)])
     result.write_jsonl(args.output)
-    for round_index in range(config.num_rounds + 1):
-        sys.stdout.write(json.dumps(result.round_summary(round_index)) + "\n")
+    rounds = [result.round_summary(i) for i in range(config.num_rounds + 1)]
+    if args.json:
+        _print_json({"rounds": rounds, "candidates": args.output})
+    else:
+        sys.stdout.write(_table(list(rounds[0]), [list(r.values()) for r in rounds]) + f"candidates: {args.output}\n")
     return 0
 
 
 def cmd_plan(args) -> int:
-    from zrl.plan.report import format_point, format_sweep, load_workload, plan_point, plot_sweep
+    from zrl.plan.report import (format_point, format_sweep, knee, load_workload, plan_point, plot_sweep,
+                                  point_summary)
 
     recipe = _load(args)
+    rl_stages = [s.name for s in recipe.stages if s.kind == "rl"]
     stages = [s for s in recipe.stages if s.kind == "rl" and (args.stage is None or s.name == args.stage)]
     if not stages:
-        return _error([f"--stage: no RL stage {args.stage!r} in {args.recipe}" if args.stage
+        return _error([f"--stage: no RL stage {args.stage!r} in {args.recipe}; its RL stages: "
+                       f"{', '.join(rl_stages) or 'none'}" if args.stage
                        else f"{args.recipe}: stages: no RL stage to plan"])
     for name, value in (("--trainer-gpus", args.trainer_gpus), ("--rollout-gpus", args.rollout_gpus), ("--steps", args.steps)):
         if value is not None and value < (2 if name == "--steps" else 1):
@@ -220,7 +336,11 @@ def cmd_plan(args) -> int:
                               gpus_per_rollout_worker=res.gpus_per_rollout_worker, steps=steps, seed=args.seed)
 
         if not ratios:
-            sys.stdout.write(f"stage {stage.name!r}, {steps} simulated steps\n{format_point(point(args.rollout_gpus))}\n")
+            one = point(args.rollout_gpus)
+            if args.json:
+                _print_json({"recipe": recipe.name, "stage": stage.name, "steps": steps, **point_summary(one)})
+            else:
+                sys.stdout.write(f"stage {stage.name!r}, {_plural(steps, 'simulated step')}\n{format_point(one)}\n")
             return 0
         points = []
         for ratio in ratios:
@@ -228,37 +348,67 @@ def cmd_plan(args) -> int:
             log.info("ratio %g:1 simulated", ratio)
     except ValueError as exc:
         return _error([str(exc)])
-    sys.stdout.write(f"stage {stage.name!r}, {steps} simulated steps, trainer {trainer_gpus} GPU(s)\n"
-                     f"{format_sweep(points)}\n")
     plot = plot_sweep(points, args.plot or f"plan-{recipe.name}-{stage.name}.png", f"{recipe.name}: {stage.name}")
-    sys.stdout.write(f"plot: {plot}\n")
+    if args.json:
+        _print_json({"recipe": recipe.name, "stage": stage.name, "steps": steps, "trainer_gpus": trainer_gpus,
+                     "knee_ratio": knee(points).ratio, "points": [point_summary(p) for p in points], "plot": str(plot)})
+    else:
+        sys.stdout.write(f"stage {stage.name!r}, {_plural(steps, 'simulated step')}, trainer {trainer_gpus} GPU(s)\n"
+                         f"{format_sweep(points)}\nplot: {plot}\n")
     return 0
+
+
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows an option's default where it has one (None and off switches: nothing to show)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return f"zrl {version('zrl')}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zrl", description="Asynchronous RL post-training for MoE reasoning models.")
+    parser.add_argument("--version", action="version", version=_version())
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help: str, json_output: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, formatter_class=_HelpWithDefaults)
+        if json_output:
+            p.add_argument("--json", action="store_true", help="the result as one JSON document on stdout (logs "
+                                                                "always go to stderr)")
+        return p
 
     def recipe_args(p):
         p.add_argument("recipe", help="cascade recipe (YAML)")
         p.add_argument("--set", action="append", metavar="PATH=VALUE",
                        help="override a field, e.g. --set stages.0.steps=10 (repeatable; value parsed as YAML)")
 
-    p = sub.add_parser("run", help="run a cascade recipe (embedded Ray unless --address is given)")
+    p = command("run", "run a cascade recipe (embedded Ray unless --address is given)", json_output=False)
     recipe_args(p)
-    p.add_argument("--address", help="Ray cluster address (ray://host:10001, http://host:8265 or auto)")
+    p.add_argument("--address", help="Ray cluster address (ray://host:10001, host:6379 or auto); to use a "
+                                     "dashboard address http://host:8265, submit with `ray job submit`")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in output_dir from its latest checkpoint (same recipe; resources, "
                         "metrics sinks and checkpoint intervals may change)")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("validate", help="check a recipe and print it resolved with defaults")
+    p = command("validate", "check a recipe (every check short of starting Ray) and summarise it: exit 2 on "
+                            "anything wrong in the recipe; what is absent on this machine is listed")
     recipe_args(p)
+    p.add_argument("--strict", action="store_true", help="also exit 2 when something the run needs is absent on "
+                                                         "this machine (a model, a data file, GPUs)")
+    p.add_argument("--full", action="store_true", help="also print the resolved recipe, every default filled in")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("plan", help="simulate a stage's scheduling on a cluster: steps/hour, idle, staleness, "
-                                    "async vs sync")
+    p = command("plan", "simulate a stage's scheduling on a cluster: steps/hour, idle, staleness, async vs sync")
     recipe_args(p)
     p.add_argument("--rollout-gpus", type=int, help="rollout pool GPUs (workers = GPUs / gpus_per_rollout_worker)")
     p.add_argument("--trainer-gpus", type=int, help="trainer pool GPUs (default: the recipe's)")
@@ -266,39 +416,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", help="RL stage to plan (default: the first)")
     p.add_argument("--workload", help="workload YAML (zrl.plan.report.WorkloadSpec fields; default: ZAYA1-8B on H100)")
     p.add_argument("--steps", type=int, help="simulated trainer steps (default: the stage's, at most 100)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="simulation seed")
     p.add_argument("--plot", help="plot path for --sweep (default: plan-<recipe>-<stage>.png)")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("envs", help="list registered environments")
+    p = command("envs", "list registered environments")
     p.set_defaults(func=cmd_envs)
 
-    p = sub.add_parser("eval", help="accuracy of a checkpoint on an environment's held-out split")
+    def model_args(p):
+        p.add_argument("--revision", help="branch, tag or commit of a Hub repo id CHECKPOINT (default: main)")
+        p.add_argument("--env", required=True, help="environment name or module:Class")
+        p.add_argument("--options", help="environment options as YAML, e.g. '{max_operand: 20}'")
+
+    p = command("eval", "accuracy of a checkpoint on an environment's held-out split")
     p.add_argument("checkpoint", help="Hugging Face zaya checkpoint: a directory (e.g. <output_dir>/stages/<name>/hf) "
                                       "or a Hub repo id org/name (cached, or downloaded on first use)")
-    p.add_argument("--revision", help="branch, tag or commit of a Hub repo id CHECKPOINT (default: main)")
-    p.add_argument("--env", required=True, help="environment name or module:Class")
-    p.add_argument("--options", help="environment options as YAML, e.g. '{max_operand: 20}'")
-    p.add_argument("--num-prompts", type=int, default=200)
+    model_args(p)
+    p.add_argument("--num-prompts", type=int, default=200, help="problems evaluated")
     p.add_argument("--samples", type=int, default=1, help="samples per prompt")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-response-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--max-response-tokens", type=int, default=64, help="generated tokens per sample at most")
+    p.add_argument("--seed", type=int, default=0, help="seed of the problems and of sampling")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="engine dtype")
     p.add_argument("--reward-model", help="reward-model checkpoint directory or Hub repo id, for reward-model "
                                           "environments (scored in this process)")
-    p.add_argument("--split", default="eval", choices=["eval", "train"], help="which problems (default: held-out)")
+    p.add_argument("--split", default="eval", choices=["eval", "train"], help="which problems (eval: held-out)")
     p.add_argument("--save-rollouts", metavar="FILE", help="write prompts, responses and rewards as JSONL (the "
                                                            "rollouts file of the `aggregation` environment)")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("ttc", help="Markovian RSA test-time compute on an environment's held-out split: one "
-                                   "JSON line per round, candidates to a JSONL")
+    p = command("ttc", "Markovian RSA test-time compute on an environment's held-out split: per-round "
+                       "accuracy, candidates to a JSONL")
     p.add_argument("checkpoint", help="Hugging Face zaya checkpoint: a directory or a Hub repo id org/name")
-    p.add_argument("--revision", help="branch, tag or commit of a Hub repo id CHECKPOINT (default: main)")
-    p.add_argument("--env", required=True, help="environment name or module:Class")
-    p.add_argument("--options", help="environment options as YAML, e.g. '{max_operand: 20}'")
-    p.add_argument("--num-prompts", type=int, default=50)
+    model_args(p)
+    p.add_argument("--num-prompts", type=int, default=50, help="problems evaluated")
     p.add_argument("--population", "-N", type=int, default=16, help="N, candidates per problem and round")
     p.add_argument("--aggregate", "-C", type=int, default=4, help="C, candidates per aggregation prompt")
     p.add_argument("--rounds", "-T", type=int, default=2, help="T, aggregation rounds after the first samples")
@@ -306,18 +457,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tail-tokens", type=int, default=64, help="tau, tokens of a candidate's reasoning tail")
     p.add_argument("--answer-budget", type=int, default=32, help="tokens of a forced answer (0: none)")
     p.add_argument("--hybrid", action="store_true", help="finished candidates forward their answer, not a tail")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--output", default="ttc.jsonl", help="JSONL of every candidate (default: ttc.jsonl)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--seed", type=int, default=0, help="seed of the problems and of sampling")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="engine dtype")
+    p.add_argument("--output", default="ttc.jsonl", help="JSONL of every candidate")
     p.set_defaults(func=cmd_ttc)
 
-    p = sub.add_parser("init-tiny-model", help="build the tiny CPU tokenizer + zaya checkpoint")
-    p.add_argument("dir")
-    p.add_argument("--seed", type=int, default=0)
+    p = command("init-tiny-model", "build the tiny CPU tokenizer + zaya checkpoint", json_output=False)
+    p.add_argument("dir", help="directory to write (a scratch asset path such as runs/assets/tiny-zaya)")
+    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.set_defaults(func=cmd_init_tiny_model)
     return parser
+
+
+class _ConsoleFormatter(logging.Formatter):
+    """zrl's own lines as `[zrl HH:MM:SS] message`; another library's as `[LEVEL name HH:MM:SS] message`,
+    so a vLLM or Ray warning is never mistaken for one of zrl's."""
+
+    def __init__(self):
+        super().__init__("[zrl %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+        self.other = logging.Formatter("[%(levelname)s %(name)s %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record) if record.name.partition(".")[0] == "zrl" else self.other.format(record)
+
+
+def _configure_logging(verbose: bool) -> None:
+    """Every log line to stderr (stdout is the command's result). vLLM configures its own logging on import,
+    to stdout unless VLLM_LOGGING_STREAM says otherwise: set before anything imports vLLM."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(_ConsoleFormatter())
+    # The console is zrl's own lines; other libraries' loggers only from warnings up (-v: everything).
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, handlers=[console])
+    logging.getLogger("zrl").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
 def _exit_on_sigterm(signum, frame):
@@ -331,10 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     # replaced sys.stderr with an object that has no file descriptor)
     faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     apply_defaults()
-    # The console is zrl's own lines; other libraries' loggers only from warnings up (-v: everything).
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="[zrl %(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("zrl").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    _configure_logging(args.verbose)
     try:
         return args.func(args)
     except RecipeError as exc:

@@ -101,11 +101,13 @@ def evaluate_requests(checkpoint: str | Path, requests: list[EvalRequest], seed:
                    if batch else [] for batch, r in zip(ids, requests)]
     finally:
         engine.close()
-    return [_score(str(checkpoint), env, r, batch, out, n_skipped)
+    return [score(str(checkpoint), env, r, batch, out, n_skipped)
             for env, r, batch, out, n_skipped in zip(envs, requests, prompts, outputs, skipped)]
 
 
-def _score(checkpoint: str, env, request: EvalRequest, prompts, outputs, skipped: int) -> EvalResult:
+def score(checkpoint: str, env, request: EvalRequest, prompts, outputs, skipped: int) -> EvalResult:
+    """The EvalResult of `outputs` (per prompt, the engine's samples) on `env`'s verifier; `checkpoint` names
+    what was evaluated (a path, or a policy version during a stage)."""
     verifications, lengths, rows = [], [], []
     for prompt, samples in zip(prompts, outputs):
         texts = [sample.text for sample in samples]

@@ -1,8 +1,10 @@
-"""One metrics API, `MetricsLogger.log(step, values)`, fanned out to sinks: JSONL, TensorBoard, wandb.
+"""One metrics API, `MetricsLogger.log(step, values)`, fanned out to sinks: JSONL, TensorBoard, wandb;
+and `batch_metrics`, the per-step values of the batch a trainer step trained on.
 
 Metric names are `panel/name` (reward/, canary/, staleness/, mismatch/, throughput/, lengths/,
-routing/, ...): wandb and TensorBoard both group charts by the prefix, which gives the dashboard its
-panels. Values must be real numbers; anything else is a programming error and raises.
+routing/, eval/, ...): wandb and TensorBoard both group charts by the prefix, which gives the dashboard
+its panels. docs/metrics.md says what each name means and maps it to verl's and prime-rl's names.
+Values must be real numbers; anything else is a programming error and raises.
 wandb runs offline (files under `<run_dir>/wandb`, `wandb sync` uploads them later) unless the mode
 is `online`, or `auto` with WANDB_API_KEY set. TensorBoard event files live in `<run_dir>/tensorboard`.
 """
@@ -11,11 +13,15 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from numbers import Real
 from pathlib import Path
 from typing import Mapping, Protocol
 
+import numpy as np
+
 from zrl.config.schema import Metrics
+from zrl.types import TrainBatch
 
 
 class Sink(Protocol):
@@ -95,3 +101,39 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
+
+
+def batch_metrics(batch: TrainBatch, max_staleness_steps: int) -> dict[str, float]:
+    """The values of one released batch, which one trainer step trains on (the buffer computes them at
+    release, so every step has them): rewards, staleness, response lengths and the truncation rate.
+
+    - `reward/mean`: mean verifier reward of the batch's rollouts; `reward/gated_mean` after the LZ77
+      repetition gate; `reward/<entry>` per environment entry of the batch, and `verify/<entry>/<reason>`
+      the fraction of its rollouts whose verification gave that `reason` (metadata);
+    - `staleness/mean|max` (trainer steps) and `staleness/<k>`: rollouts of staleness k, k = 0..bound;
+    - `lengths/response_mean|p50|p90|max` (tokens) and `lengths/truncated_frac`: the fraction of
+      responses that hit max_response_tokens (finish reason "length").
+    """
+    rollouts = batch.rollouts()
+    task = np.concatenate([g.task_rewards() for g in batch.groups])       # [N]
+    gated = np.concatenate([g.rewards for g in batch.groups])             # [N]
+    lengths = np.array([len(r.token_ids) for r in rollouts])              # [N]
+    staleness = batch.staleness                                           # [N]
+    p50, p90 = np.percentile(lengths, [50, 90])
+    out = {"reward/mean": float(task.mean()), "reward/gated_mean": float(gated.mean()),
+           "staleness/mean": float(staleness.mean()), "staleness/max": float(staleness.max()),
+           "lengths/response_mean": float(lengths.mean()), "lengths/response_p50": float(p50),
+           "lengths/response_p90": float(p90), "lengths/response_max": float(lengths.max()),
+           "lengths/truncated_frac": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts)}
+    counts = np.bincount(staleness, minlength=max_staleness_steps + 1)
+    out.update({f"staleness/{k}": float(n) for k, n in enumerate(counts)})
+    entries: dict[str, list[np.ndarray]] = {}
+    reasons: Counter[tuple[str, str]] = Counter()
+    for group in batch.groups:
+        entries.setdefault(group.prompt.env, []).append(group.task_rewards())
+        reasons.update((group.prompt.env, v.metadata["reason"].replace(" ", "_")) for v in group.verifications
+                       if isinstance(v.metadata.get("reason"), str))
+    sizes = {key: sum(len(p) for p in parts) for key, parts in entries.items()}
+    out.update({f"reward/{key}": float(np.concatenate(parts).mean()) for key, parts in sorted(entries.items())})
+    out.update({f"verify/{key}/{reason}": n / sizes[key] for (key, reason), n in sorted(reasons.items())})
+    return out

@@ -1,11 +1,13 @@
 """The stage-end summary figure: one PNG per stage from the run's metrics.jsonl.
 
 `plot_stage_summary` selects the rows of one stage (the `stage/index` every row carries) and draws one
-panel per group of series: reward, loss, canaries, staleness, engine/trainer mismatch, throughput,
-response lengths and the adaptive-difficulty levels and solve rates. Only series present in those rows are drawn, and a panel with none is left out, so an
-SFT stage gets loss and throughput panels and an RL stage the rest. A step where a series has no value
-(e.g. `reward/mean` when no group arrived in that window) is simply not a point of that series;
-non-finite values (written as strings by the JSONL sink) are gaps.
+panel per group of series: reward next to the held-out accuracy measured during the stage
+(`eval/<entry>/accuracy`, drawn at the policy version it evaluated, `eval/policy_version`), loss,
+canaries, staleness, engine/trainer mismatch, throughput, response lengths and the adaptive-difficulty
+levels and solve rates. Only series present in those rows are drawn, and a panel with none is left
+out, so an SFT stage gets loss and throughput panels and an RL stage the rest. A step where a series
+has no value (e.g. `mismatch/onpolicy_kl_k3` when the batch held no token of the trained version) is
+simply not a point of that series; non-finite values (written as strings by the JSONL sink) are gaps.
 
 Matplotlib runs on the Agg backend (no display); the figure is closed after saving, so a long cascade
 does not accumulate figures.
@@ -19,6 +21,8 @@ from pathlib import Path
 
 log = logging.getLogger("zrl")
 
+POLICY_VERSION = "eval/policy_version"  # zrl.pipeline.held_out.POLICY_VERSION (plots import no pipeline)
+
 
 @dataclass(frozen=True)
 class Panel:
@@ -27,25 +31,31 @@ class Panel:
     series: tuple[str, ...] = ()      # exact metric names, drawn in this order
     prefix: str | None = None         # also every metric under this prefix whose name contains `contains`
     contains: str = ""
+    excludes: str | None = None       # ... and not this
     log_scale: bool = False
+    prefix_x: str | None = None       # the prefix's series are drawn against this metric of their row, not the step
 
 
 MAX_PREFIX_SERIES = 12  # a panel draws at most this many of its prefix's series (e.g. one per RLVE task)
 
 PANELS = (
-    Panel("reward", "mean reward", ("reward/mean", "reward/gated_mean")),
+    Panel("reward (trained batch) and held-out accuracy", "mean reward", ("reward/mean", "reward/gated_mean"),
+          prefix="eval/", contains="/accuracy", prefix_x=POLICY_VERSION),
     Panel("loss", "loss", ("loss/policy", "loss/sft")),
-    Panel("canaries", "fraction of rollouts / tokens", ("canary/lz77_flagged_fraction",),
+    Panel("canaries", "fraction of rollouts / tokens", ("canary/lz77_flagged_fraction", "lengths/truncated_frac",
+                                                        "env/verifier_error_fraction"),
           prefix="canary/", contains="frac"),
     Panel("staleness", "trainer steps", ("staleness/max", "staleness/mean")),
     Panel("mismatch (engine vs trainer)", "k3 KL per token", ("mismatch/kl_k3", "mismatch/onpolicy_kl_k3"),
           log_scale=True),
-    Panel("throughput", "tokens / s", ("throughput/rollout_tokens_per_s", "perf/tokens_per_s")),
-    Panel("response length", "tokens", ("lengths/response_mean",), prefix="lengths/"),
+    Panel("throughput", "tokens / s", ("throughput/rollout_tokens_per_s", "throughput/trainer_tokens_per_s",
+                                       "perf/tokens_per_s")),
+    Panel("response length (trained batch)", "tokens", ("lengths/response_mean", "lengths/response_p50",
+                                                        "lengths/response_p90", "lengths/response_max")),
     Panel("curriculum: level", "difficulty level", prefix="curriculum/", contains="/difficulty"),
     Panel("curriculum: solve rate at the level", "fraction of responses", prefix="curriculum/",
           contains="/solve_rate"),
-    Panel("environment counters", "count since the stage started", prefix="environment/"),
+    Panel("environment counters", "count since the stage started", prefix="env/", excludes="_fraction"),
 )
 
 
@@ -79,12 +89,13 @@ def panel_series(panel: Panel, rows: list[dict]) -> dict[str, tuple[list[int], l
     names = list(panel.series)
     if panel.prefix:
         extra = sorted({k for r in rows for k in r if k.startswith(panel.prefix) and panel.contains in k
-                        and k not in names})
+                        and not (panel.excludes and panel.excludes in k) and k not in names})
         names += extra[:MAX_PREFIX_SERIES]
     out = {}
     for name in names:
-        points = [(int(r["step"]), _number(r[name])) for r in rows if name in r]
-        points = [(s, v) for s, v in points if v is not None]
+        x = panel.prefix_x if panel.prefix_x and panel.prefix and name.startswith(panel.prefix) else "step"
+        points = [(_number(r.get(x)), _number(r[name])) for r in rows if name in r]
+        points = sorted((int(s), v) for s, v in points if s is not None and v is not None)
         if any(math.isfinite(v) for _, v in points):
             out[name] = ([s for s, _ in points], [v for _, v in points])
     return out

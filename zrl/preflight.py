@@ -2,7 +2,7 @@
 `zrl run` makes before it starts anything.
 
 A finding is `(field, reason)`: the recipe field it concerns (`model.path`, `stages[1].sampling...`,
-the same paths schema errors use) and one line saying what is wrong. Two kinds:
+the same paths schema errors use) and one line saying what is wrong. Three kinds:
 - a *problem* would fail the run: an output_dir that cannot be created or written; a model directory
   whose config.json is unreadable or not a zaya config; a `revision` given with a local directory; a
   cached Hub snapshot that is not a checkpoint; build_tiny_if_missing where something other than a
@@ -13,13 +13,18 @@ the same paths schema errors use) and one line saying what is wrong. Two kinds:
   environment without demonstrations, or whose demonstrations alone exceed `max_sequence_tokens`; a
   maxrl stage on continuous rewards; an rl stage with a reward-model environment in a recipe without
   `reward_model`.
-- a *missing* item is named by the recipe but absent here: an environment name nobody registered, a
-  model or reward-model directory that does not exist (and is not built: build_tiny_if_missing builds
-  only at a scratch asset path), or a Hugging Face repo id not in the cache while HF_HUB_OFFLINE is set.
-  A recipe is validated where its environments need not be installed, so `zrl validate` only notes
-  these; `zrl run` refuses them. A data file an environment's options name that does not exist here is
-  missing too. An entry whose data an earlier stage of the run writes (`self_rollouts`, named with
+  An environment name nobody registered is a problem too (with the registered names closest to it):
+  a typo must not pass as "not installed here"; a plugin's environment is named by its `module:Class`
+  or installed where the recipe is checked.
+- a *missing* item is named by the recipe but absent here: a model or reward-model directory that
+  does not exist (and is not built: build_tiny_if_missing builds only at a scratch asset path), a
+  Hugging Face repo id not in the cache while HF_HUB_OFFLINE is set, a data file an environment's
+  options name, or the GPUs `resources` reserves (counted only when `gpus_here`: the run starts its
+  own Ray on this machine). `zrl validate` lists these (and fails on them with --strict); `zrl run`
+  refuses them. An entry whose data an earlier stage of the run writes (`self_rollouts`, named with
   `{output_dir}`) is not built here.
+- a *pending* item is absent here but the run fetches it: a Hugging Face repo downloaded on first use.
+  `zrl validate` lists it (and fails on it with --strict); `zrl run` downloads it.
 
 `Findings.models` says, for `model.path` and `reward_model.path`, what a run would read: the local
 directory, the cached snapshot of a repo id (revision and commit), a repo downloaded on first use, or
@@ -34,7 +39,9 @@ measured with the tokenizer's `tokenizer.json` alone (the `tokenizers` library, 
 a demonstration that does not fit by itself leaves no room for the prompt the chat template adds.
 """
 
+import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,14 +61,17 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # an option value namin
 class Findings:
     problems: list[Finding] = field(default_factory=list)
     missing: list[Finding] = field(default_factory=list)
+    pending: list[Finding] = field(default_factory=list)
     data: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)  # stage -> (entry, file, status)
     models: list[Finding] = field(default_factory=list)  # (model.path / reward_model.path, what a run would read)
 
 
-def check(recipe: Recipe) -> Findings:
-    """Every problem and missing item of `recipe` on this machine (see the module docstring)."""
+def check(recipe: Recipe, gpus_here: bool = True) -> Findings:
+    """Every problem, missing and pending item of `recipe` on this machine (see the module docstring)."""
     findings = Findings()
     findings.problems += _output_dir(Path(recipe.output_dir))
+    if gpus_here:
+        findings.missing += _gpus(recipe)
     context, model_dir = _model(recipe, findings)
     tokenizer = _Tokenizer(recipe, model_dir)
     produced = recipe.produced_files()
@@ -92,6 +102,8 @@ def _checkpoint(field: str, spec, is_checkpoint, what: str, findings: Findings) 
         findings.models.append((field, where.describe()))
         if where.missing is not None:
             findings.missing.append((field, where.missing))
+        elif where.local is None:
+            findings.pending.append((field, f"{spec.path}: downloaded from the Hugging Face Hub on first use"))
         return where.local
     if where.repo_id is not None:
         findings.problems.append((field, f"{where.local} (the cached snapshot of {where.repo_id}) is not a {what}"))
@@ -116,6 +128,33 @@ def _reward_model(recipe: Recipe, findings: Findings) -> None:
     if recipe.reward_model is not None:
         _checkpoint("reward_model.path", recipe.reward_model, is_reward_model_dir,
                     "sequence-classification checkpoint directory", findings)
+
+
+def _gpus(recipe: Recipe) -> list[Finding]:
+    """The GPUs `resources` reserves, when this machine has fewer (Ray would wait for them forever)."""
+    res = recipe.resources
+    needed = (res.rollout_workers * res.gpus_per_rollout_worker + res.trainer_workers * res.gpus_per_trainer_worker
+              + (res.reward_model_workers * res.gpus_per_reward_model_worker if recipe.reward_model else 0))
+    if needed == 0:
+        return []
+    import torch
+
+    here = torch.cuda.device_count()
+    if here >= math.ceil(needed):
+        return []
+    return [("resources", f"the recipe reserves {needed:g} GPUs; this machine has {here}")]
+
+
+def unknown_environment(name: str, error: Exception) -> str:
+    """The registry's one line for an unknown environment `name`, with the registered names closest to it."""
+    from zrl.env import registry
+
+    names = registry.names()
+    close = difflib.get_close_matches(name, names, n=3)
+    if not close:
+        return str(error)
+    return (f"unknown environment {name!r}; did you mean {' or '.join(map(repr, close))}? (registered: "
+            f"{', '.join(names)}; or a `module:Class` reference)")
 
 
 def _output_dir(out: Path) -> list[Finding]:
@@ -284,8 +323,8 @@ def _build(spec, entry: str, findings: Findings):
     try:
         return build_environment(spec)
     except UnknownEnvironmentError as exc:
-        # A registered name may be installed elsewhere; a `module:Class` the recipe points at must import.
-        (findings.problems if ":" in spec.name else findings.missing).append((f"{entry}.name", str(exc)))
+        reason = str(exc) if ":" in spec.name else unknown_environment(spec.name, exc)
+        findings.problems.append((f"{entry}.name", reason))
     except FileNotFoundError as exc:  # data the recipe names may live only where it runs
         findings.missing.append((f"{entry}.options", str(exc)))
     except ValueError as exc:

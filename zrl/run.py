@@ -185,8 +185,9 @@ def connect_ray(address: str | None):
     import ray
 
     if address and address.startswith(("http://", "https://")):
-        # The jobs/dashboard address is not a driver address; a driver on the cluster joins it with "auto".
-        address = "auto"
+        # A job submission (dashboard) address is not one a driver joins; zrl.cli refuses it with the remedy.
+        raise ValueError(f"{address} is a Ray job submission address; submit with `ray job submit --address "
+                         f"{address} -- zrl run RECIPE`")
     if address is None and os.environ.get("RAY_ADDRESS"):
         address = os.environ["RAY_ADDRESS"]
     if address:

@@ -34,8 +34,8 @@ def zrl(*args, timeout=1800):
 
 def held_out(checkpoint: Path, env: str, reward_model: Path) -> dict:
     out = zrl("eval", str(checkpoint), "--env", env, "--reward-model", str(reward_model), "--num-prompts", "200",
-              "--samples", "4", "--temperature", "1.0", "--max-response-tokens", "64", "--seed", "7")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+              "--samples", "4", "--temperature", "1.0", "--max-response-tokens", "64", "--seed", "7", "--json")
+    return json.loads(out.stdout)
 
 
 @pytest.fixture(scope="module")

@@ -54,10 +54,10 @@ def _held_out_accuracy(export: Path, level: int) -> float:
     options = f"{{tasks: copy, min_letters: {1 + 2 * level}, max_letters: {2 + 2 * level}}}"
     out = subprocess.run([ZRL, "eval", str(export), "--env", "strings", "--options", options,
                           "--num-prompts", "100", "--samples", "4",
-                          "--temperature", "1.0", "--max-response-tokens", "48", "--seed", "7"],
+                          "--temperature", "1.0", "--max-response-tokens", "48", "--seed", "7", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])["accuracy"]
+    return json.loads(out.stdout)["accuracy"]
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_an_rlve_gym_stage_with_adaptive_difficulty_runs_on_the_tiny_model(tmp_p
     assert [r["step"] for r in rows] == [1, 2, 3]
     for task in ("Multiplication", "Sorting"):  # a scheduler per RLVE environment
         assert 0 <= rows[-1][f"curriculum/rlve_gym/{task}/difficulty"] <= 50
-    assert "environment/rlve_gym/generation_failures" in rows[-1]
+    assert "env/rlve_gym/generation_failures" in rows[-1]
     checkpoint = json.loads((run_dir / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
     schedulers = checkpoint["data_state"]["curriculum"]["curriculum"]["schedulers"]
     assert sorted(schedulers) == ["rlve_gym/Multiplication", "rlve_gym/Sorting"]

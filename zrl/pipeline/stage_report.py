@@ -2,14 +2,18 @@
 
 `StageCounters` accumulates what the loop sees between two reports (tokens generated, busy times,
 sync times, canary sums, faults); `step_metrics` turns one window into the row `log(step, values)`
-receives, merged with the trainer's and the buffer's metrics; `progress_line` is the one console line
-per step. Rates and idle fractions are over the window since the previous report.
+receives, merged with the trainer's metrics, the trained batch's (zrl.metrics.batch_metrics: reward,
+staleness, lengths) and the buffer's (cumulative counters, means over the groups received in the
+window); `progress_line` is the one console line per step. Rates and idle fractions are over the window
+since the previous report; `throughput/rollout_tokens_per_s` and `throughput/trainer_tokens_per_s` are
+each pool's tokens per wall-clock second of it.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from zrl.pipeline.schedule import StageSchedule
@@ -40,12 +44,13 @@ class StageCounters:
 
 
 def step_metrics(counters: StageCounters, schedule: StageSchedule, trainer: dict[str, float],
-                 buffer: dict[str, float], window_s: float) -> dict[str, float]:
+                 batch: Mapping[str, float], buffer: dict[str, float], window_s: float) -> dict[str, float]:
     c = counters
     window_s = max(window_s, 1e-9)
-    values = {**trainer, **buffer}
+    values = {**trainer, **batch, **buffer}
     values.update({
         "throughput/rollout_tokens_per_s": c.generated_tokens / window_s,
+        "throughput/trainer_tokens_per_s": trainer.get("batch/input_tokens", 0.0) / window_s,
         "throughput/rollout_idle_frac": max(0.0, 1 - c.rollout_busy_s / (window_s * len(schedule.workers))),
         "throughput/trainer_idle_frac": max(0.0, 1 - c.train_busy_s / window_s),
         "sync/time_s": c.sync_s / max(c.sync_count, 1), "sync/count": float(c.sync_count),

@@ -58,4 +58,5 @@ def measured(rows: list[dict], max_staleness_steps: int) -> dict:
     return {"steps_per_min": 60 * len(steady) / span,
             "rollout_idle": float(np.mean([r["throughput/rollout_idle_frac"] for r in steady])),
             "trainer_idle": float(np.mean([r["throughput/trainer_idle_frac"] for r in steady])),
-            "staleness": {k: int(rows[-1].get(f"staleness/{k}", 0)) for k in range(max_staleness_steps + 1)}}
+            "staleness": {k: int(rows[-1].get(f"staleness/cumulative_{k}", 0))
+                          for k in range(max_staleness_steps + 1)}}

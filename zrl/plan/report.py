@@ -13,6 +13,7 @@ KNEE_FRACTION of the sweep's best.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,6 +146,18 @@ def knee(points: list[PlanPoint]) -> PlanPoint:
 
 def _staleness(result: PlanResult) -> str:
     return " ".join(f"{k}:{100 * v:.0f}%" for k, v in result.staleness_tokens.items())
+
+
+def point_summary(point: PlanPoint) -> dict:
+    """One cluster's numbers for `zrl plan --json` (each mode's PlanResult without its per-step rows)."""
+    def result(r: PlanResult) -> dict:
+        fields = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "rows"}
+        return {**fields, "evicted": r.evicted}
+
+    return {"rollout_gpus": point.rollout_gpus, "trainer_gpus": point.trainer_gpus, "ratio": point.ratio,
+            "rollout_workers": point.rollout_workers, "speedup": point.speedup,
+            "kv_capacity_tokens": point.kv_capacity_tokens, "async": result(point.async_result),
+            "sync": result(point.sync_result)}
 
 
 def format_point(point: PlanPoint) -> str:

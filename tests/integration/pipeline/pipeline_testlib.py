@@ -5,10 +5,10 @@ import yaml
 STEPS = 8
 
 
-def recipe_data(tmp_path, model_dir, steps=STEPS, **asynchrony) -> dict:
+def recipe_data(tmp_path, model_dir, steps=STEPS, evaluation=None, **asynchrony) -> dict:
     """`model_dir`: a checkpoint, or a scratch path (last component `tiny-*`) where the run builds the tiny
-    model (build_tiny_if_missing builds nowhere else: zrl/hub.py)."""
-    return {
+    model (build_tiny_if_missing builds nowhere else: zrl/hub.py); `evaluation`: the stage's block."""
+    data = {
         "name": "pipeline-test", "model": {"path": str(model_dir), "build_tiny_if_missing": True, "dtype": "float32"},
         "output_dir": str(tmp_path / "run"), "seed": 3,
         "resources": {"rollout_workers": 1, "trainer_workers": 2, "cpus_per_rollout_worker": 0.5,
@@ -24,6 +24,9 @@ def recipe_data(tmp_path, model_dir, steps=STEPS, **asynchrony) -> dict:
                            "buffer_capacity_batches": 4, **asynchrony},
         }],
     }
+    if evaluation is not None:
+        data["stages"][0]["evaluation"] = evaluation
+    return data
 
 
 def write_recipe(tmp_path, model_dir, **kwargs):

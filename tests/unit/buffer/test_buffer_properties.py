@@ -101,7 +101,7 @@ def test_random_interleavings_keep_every_invariant(cfg, ops, seed):
             released_rollouts += batch.num_sequences
         assert_conservation(buf)
     m = buf.metrics()
-    assert sum(m[f"staleness/{s}"] for s in range(bound + 1)) == released_rollouts
+    assert sum(m[f"staleness/cumulative_{s}"] for s in range(bound + 1)) == released_rollouts
     assert m["buffer/released"] == len(released_ids)
 
 

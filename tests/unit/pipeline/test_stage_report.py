@@ -10,7 +10,17 @@ from zrl.pipeline.stage_report import StageCounters, progress_line, step_metrics
 def values(**extra):
     schedule = StageSchedule(num_workers=1, policy_version=3, end_version=6, prompts_per_batch=2,
                              sync_every_steps=2, synchronous=False)
-    return step_metrics(StageCounters(), schedule, {"loss/policy": 0.5}, extra, window_s=2.0)
+    return step_metrics(StageCounters(), schedule, {"loss/policy": 0.5}, {}, extra, window_s=2.0)
+
+
+def test_the_row_holds_the_trained_batch_the_buffer_and_each_pools_throughput():
+    schedule = StageSchedule(num_workers=1, policy_version=3, end_version=6, prompts_per_batch=2,
+                             sync_every_steps=2, synchronous=False)
+    counters = StageCounters(generated_tokens=300)
+    row = step_metrics(counters, schedule, {"batch/input_tokens": 500.0}, {"reward/mean": 0.5, "staleness/max": 1.0},
+                       {"staleness/cumulative_max": 2.0}, window_s=2.0)
+    assert (row["reward/mean"], row["staleness/max"], row["staleness/cumulative_max"]) == (0.5, 1.0, 2.0)
+    assert row["throughput/rollout_tokens_per_s"] == 150 and row["throughput/trainer_tokens_per_s"] == 250
 
 
 def test_a_step_without_new_groups_shows_no_reward_instead_of_nan():
@@ -32,13 +42,14 @@ def test_metrics_are_logged_every_log_every_steps_and_at_each_stage_end():
         "stages": [{"name": "a", "kind": "rl", "steps": 4, "environments": [{"name": "arithmetic"}]},
                    {"name": "b", "kind": "rl", "steps": 4, "environments": [{"name": "arithmetic"}]}]})
     cascade = Cascade(recipe, "unused")
-    logged = []
+    logged, written = [], []
     cascade.metrics = type("Sink", (), {"log": lambda self, step, v: logged.append((step, v["stage/index"]))})()
     for index, stage in enumerate(recipe.stages):
         log = cascade._log(stage)
         for step in range(4 * index + 1, 4 * index + 5):
-            log(step, {})
+            written.append(log(step, {}))
     assert logged == [(3, 0.0), (4, 0.0), (6, 1.0), (8, 1.0)]
+    assert written == [False, False, True, True, False, True, False, True]  # the runner keeps what was not
 
 
 def test_the_sampling_seed_offsets_every_workers_streams():

@@ -21,7 +21,7 @@ def rows(n=5, window_s=2.0, mean_lengths=(30, 34, 26, 30)):
                     "throughput/rollout_tokens_per_s": 400.0, "throughput/trainer_idle_frac": 0.75,
                     "perf/tokens_per_s": 2000.0, "sync/engine_update_s": 0.2,
                     "buffer/dropped_zero_signal": i, "buffer/received": 10 * (i + 1),
-                    "staleness/0": 3 * i, "staleness/1": i})
+                    "staleness/cumulative_0": 3 * i, "staleness/cumulative_1": i})
     return out
 
 

@@ -1,0 +1,81 @@
+"""Results on stdout, logs on stderr: `zrl eval`, `ttc` and `plan` print a table, or one JSON document
+with --json, and nothing else on stdout. The vLLM engine writes its own log lines; the `integration`
+test runs a real one (the tiny model, two prompts) and parses stdout whole. The others stand a fake
+result in for the engine's."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import serving.rsa
+import zrl.evaluate
+from zrl.cli import main
+from zrl.evaluate import EvalResult
+
+ROOT = Path(__file__).resolve().parents[3]
+ZRL = str(Path(sys.executable).parent / "zrl")
+RESULT = EvalResult(checkpoint="ckpt", environment="strings", num_prompts=2, accuracy=float("nan"), verifier_errors=0,
+                    mean_response_tokens=8.0, reasons={"wrong": 1.0}, metadata_means={})
+
+
+@pytest.mark.integration
+def test_eval_json_stdout_is_one_document_and_the_engine_logs_go_to_stderr(tmp_path):
+    from zrl.assets import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny-zaya")
+    result = subprocess.run([ZRL, "eval", str(model), "--env", "strings", "--options", "{tasks: copy}",
+                             "--num-prompts", "2", "--max-response-tokens", "8", "--json"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    evaluation = json.loads(result.stdout)  # the whole of stdout: vLLM's lines would make this fail
+    assert (evaluation["environment"], evaluation["num_prompts"]) == ("strings", 2)
+    assert "Resolved architecture" in result.stderr  # vLLM logged, to stderr
+    assert not [line for line in result.stderr.splitlines() if line.startswith("[zrl ") and "Triton" in line]
+
+
+@pytest.fixture
+def checkpoint(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(zrl.evaluate, "evaluate", lambda *args, **kwargs: RESULT)
+    return str(tmp_path)
+
+
+def test_eval_prints_a_table_or_json_with_no_nan(checkpoint, capsys):
+    assert main(["eval", checkpoint, "--env", "strings", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "checkpoint": "ckpt", "environment": "strings", "num_prompts": 2, "accuracy": None, "verifier_errors": 0,
+        "mean_response_tokens": 8.0, "reasons": {"wrong": 1.0}, "metadata_means": {}, "skipped_long_prompts": 0}
+    assert main(["eval", checkpoint, "--env", "strings"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert rows[0] == ["result", "value"] and ["accuracy", "-"] in rows and ["reasons.wrong", "1"] in rows
+
+
+class FakeRSA:
+    def write_jsonl(self, path):
+        Path(path).write_text("")
+
+    def round_summary(self, i):
+        return {"round": i, "mean_reward": 0.5 * i, "majority_accuracy": None}
+
+
+def test_ttc_prints_one_row_per_round_or_json(checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(serving.rsa, "evaluate_rsa", lambda *args, **kwargs: FakeRSA())
+    out = str(tmp_path / "c.jsonl")
+    assert main(["ttc", checkpoint, "--env", "strings", "-T", "1", "--output", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "rounds": [{"round": 0, "mean_reward": 0.0, "majority_accuracy": None},
+                   {"round": 1, "mean_reward": 0.5, "majority_accuracy": None}], "candidates": out}
+    assert main(["ttc", checkpoint, "--env", "strings", "-T", "1", "--output", out]) == 0
+    assert capsys.readouterr().out.splitlines() == ["round  mean_reward  majority_accuracy", "    0            0  -",
+                                                    "    1          0.5  -", f"candidates: {out}"]
+
+
+def test_plan_json(capsys):
+    assert main(["plan", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--rollout-gpus", "1", "--steps", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["stage"], plan["steps"], plan["rollout_workers"]) == ("copy_rl", 8, 1)
+    assert plan["async"]["mode"] == "async" and plan["sync"]["mode"] == "sync"
+    assert plan["speedup"] == pytest.approx(plan["async"]["steps_per_hour"] / plan["sync"]["steps_per_hour"])

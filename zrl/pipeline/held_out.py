@@ -1,0 +1,90 @@
+"""Held-out evaluation of a stage: what is evaluated, when during an RL stage, and what is logged.
+
+The evaluation is the stage's `evaluation` block: each entry's `eval` split problems for the recipe's
+seed, sampled and scored as zrl/evaluate.py does (`held_out_requests` builds the requests for both
+places). At the stage's end the controller evaluates the exported policy on a fresh engine. With
+`evaluation.every_steps` an RL stage also evaluates during training (`HeldOutSchedule`), on a rollout
+worker with the weights it holds (`RolloutWorker.evaluate`: the prompts join its engine between two
+rounds, like a round's groups; the trainer does not wait for it):
+- at the stage's first sync (the policy it starts from) and after every sync that gives the workers a
+  policy version that is a multiple of `every_steps` (config: a multiple of `sync_every_steps`, so
+  every such version reaches the workers); the stage's last step is the stage-end evaluation's.
+- One worker (the first to hold the version) evaluates each version once.
+
+Logged (`held_out_metrics`): `eval/<entry>/accuracy` (mean reward over prompts x samples),
+`eval/<entry>/response_tokens_mean` and `eval/policy_version`, the version of the weights evaluated.
+An evaluation ends while the trainer goes on, after the rows of later steps were written (dashboards
+take steps in increasing order), so its values go with the next row that is logged and the stage plot
+draws them at `eval/policy_version` (zrl/plots.py). The stage-end evaluation is logged at the stage's
+last step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from zrl.config.schema import RLStage
+from zrl.evaluate import EvalRequest, EvalResult
+
+log = logging.getLogger("zrl")
+
+POLICY_VERSION = "eval/policy_version"
+
+
+def held_out_requests(stage) -> list[tuple[str, EvalRequest]]:
+    """(entry key, request) for each entry of the stage, or none when `evaluation.prompts` is 0."""
+    e = stage.evaluation
+    if not e.prompts:
+        return []
+    limit = stage.sampling.max_prompt_tokens if isinstance(stage, RLStage) else stage.max_sequence_tokens
+    return [(key, EvalRequest(spec, e.prompts, e.samples, e.temperature, e.max_response_tokens,
+                              max_prompt_tokens=limit))
+            for key, spec in zip(stage.entry_keys(), stage.environments)]
+
+
+def in_training_requests(stage: RLStage) -> list[tuple[str, EvalRequest]]:
+    """The requests the rollout workers evaluate during the stage (none without `every_steps`). Entries
+    that score with a reward model are left to the stage-end evaluation: the workers host no scorer."""
+    if stage.evaluation.every_steps is None:
+        return []
+    from zrl.env import registry
+
+    requests = held_out_requests(stage)
+    scored = [k for k, r in requests if getattr(registry.get(r.environment.name).factory, "uses_reward_model", False)]
+    if scored:
+        log.warning("stage %r: %s score with a reward model: evaluated at the stage's end only, not every %d "
+                    "steps", stage.name, scored, stage.evaluation.every_steps)
+    return [(k, r) for k, r in requests if k not in scored]
+
+
+def held_out_metrics(policy_version: int, results) -> dict[str, float]:
+    """The metric values of one evaluation: `results` are (entry key, EvalResult) pairs."""
+    values = {POLICY_VERSION: float(policy_version)}
+    for key, result in results:
+        values[f"eval/{key}/accuracy"] = result.accuracy
+        values[f"eval/{key}/response_tokens_mean"] = result.mean_response_tokens
+    return values
+
+
+@dataclass
+class HeldOutSchedule:
+    """Which synced policy versions are evaluated during the stage (the module docstring)."""
+
+    every_steps: int | None
+    start_version: int            # the version the stage (or its resumption) starts from
+    end_version: int              # the stage's last step: evaluated at the stage's end instead
+    evaluated: set[int] = field(default_factory=set)
+
+    def due(self, version: int) -> bool:
+        """Whether workers now holding `version` should evaluate it; True once per version."""
+        if self.every_steps is None or version in self.evaluated or version >= self.end_version:
+            return False
+        if version != self.start_version and version % self.every_steps:
+            return False
+        self.evaluated.add(version)
+        return True
+
+
+def summary(results: tuple[tuple[str, EvalResult], ...]) -> str:
+    return ", ".join(f"{key} {result.accuracy:.3f}" for key, result in results)
