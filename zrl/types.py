@@ -60,6 +60,11 @@ class Rollout:
     sampled token, which never went through the model). `version_segments` are (response token index,
     policy version) pairs in increasing index order: token t was sampled by the version of the last
     segment starting at or before t. The first segment starts at 0.
+
+    `policy_mask` marks the response tokens the policy sampled (trained) against those an environment
+    wrote into the sequence between turns (a tool's output, a user's reply: context only, no loss and no
+    logprob, routed as recorded); None means every response token is the policy's (a single turn). The
+    staleness anchor, the length reward and the loss count the policy's tokens only.
     """
 
     prompt_ids: np.ndarray            # [Tp] int32
@@ -69,6 +74,7 @@ class Rollout:
     version_segments: tuple[tuple[int, int], ...]
     finish_reason: str                # "stop" | "length" | "abort"
     text: str = ""                    # decoded response, what the verifier reads
+    policy_mask: np.ndarray | None = None  # [Tr] bool, True where the policy sampled the token
     # The oldest policy version that produced a response token (staleness is measured from it); derived
     # once here, since the buffer and every released batch read it per rollout.
     min_version: int = field(init=False, repr=False)
@@ -79,6 +85,9 @@ class Rollout:
             raise ValueError(f"logprobs has {len(self.logprobs)} entries for {r} response tokens")
         if self.routing is not None and self.routing.shape[0] != len(self.prompt_ids) + r:
             raise ValueError(f"routing has {self.routing.shape[0]} rows for {len(self.prompt_ids) + r} tokens")
+        if self.policy_mask is not None and (self.policy_mask.dtype != np.bool_ or self.policy_mask.shape != (r,)):
+            raise ValueError(f"policy_mask must be a [{r}] bool array, got {self.policy_mask.dtype} "
+                             f"{self.policy_mask.shape}")
         segments = self.version_segments
         if len(segments) == 1 and segments[0][0] == 0:  # no weight sync during the rollout: the common case
             object.__setattr__(self, "min_version", segments[0][1])
@@ -86,8 +95,16 @@ class Rollout:
         starts = [s for s, _ in segments]
         if not starts or starts[0] != 0 or starts != sorted(set(starts)):
             raise ValueError(f"version_segments must start at token 0 and increase: {segments}")
-        covered = [v for s, v in segments if s < r]
+        if self.policy_mask is not None and self.policy_mask.any():
+            covered = self.token_versions()[self.policy_mask].tolist()
+        else:
+            covered = [v for s, v in segments if s < r]
         object.__setattr__(self, "min_version", min(covered) if covered else segments[0][1])
+
+    @property
+    def num_policy_tokens(self) -> int:
+        """Response tokens the policy sampled (all of them unless `policy_mask` says otherwise)."""
+        return len(self.token_ids) if self.policy_mask is None else int(np.count_nonzero(self.policy_mask))
 
     def token_versions(self) -> np.ndarray:
         """[Tr] int64 policy version of every response token."""
@@ -152,8 +169,8 @@ class RolloutGroup:
         return np.array([v.reward for v in self.verifications], dtype=np.float64)
 
     def response_lengths(self) -> np.ndarray:
-        """[G] int64 response token counts."""
-        return np.array([len(r.token_ids) for r in self.rollouts], dtype=np.int64)
+        """[G] int64 response tokens the policy sampled (what the length reward counts)."""
+        return np.array([r.num_policy_tokens for r in self.rollouts], dtype=np.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,7 +186,7 @@ class TrainBatch:
     groups: tuple[RolloutGroup, ...]
     trainer_step: int
     num_sequences: int = field(init=False)        # N_seq of the loss aggregation (empty responses count)
-    num_response_tokens: int = field(init=False)  # N_tok of the loss aggregation
+    num_response_tokens: int = field(init=False)  # N_tok of the loss aggregation (the policy's tokens)
     staleness: np.ndarray = field(init=False)     # [N_seq] int64, trainer_step - rollout.min_version
 
     def __post_init__(self):
@@ -186,7 +203,7 @@ class TrainBatch:
                              f"staleness {staleness.min()}")
         staleness.flags.writeable = False
         object.__setattr__(self, "num_sequences", len(rollouts))
-        object.__setattr__(self, "num_response_tokens", sum(len(r.token_ids) for r in rollouts))
+        object.__setattr__(self, "num_response_tokens", sum(r.num_policy_tokens for r in rollouts))
         object.__setattr__(self, "staleness", staleness)
 
     @property

@@ -3,7 +3,8 @@
 Layout of one sequence (prompt p_0..p_{Tp-1}, response y_0..y_{Tr-1}, full = p ++ y; docs/shapes.md):
   inputs  = full[:-1]        Tp + Tr - 1 tokens (the last sampled token predicts nothing)
   targets = full[1:]         the response token y_j is the target at input position Tp - 1 + j
-  loss_mask, behaviour logprobs, advantages, versions: set at positions Tp - 1 .. Tp + Tr - 2
+  loss_mask, behaviour logprobs, advantages, versions: set at positions Tp - 1 .. Tp + Tr - 2 (the loss
+  mask only where the target is a token the policy sampled: rollout.policy_mask)
   routing = rollout.routing[:Tp + Tr - 1]   ([Tp + Tr, L] recorded; its last row is never an input)
 Sequences are laid end to end in plan order with `cu_seqlens` boundaries; no padding anywhere.
 The boundaries stay on the host (Python ints, what the model's layout needs); the per-token tensors
@@ -114,7 +115,13 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, indices: 
     behaviour = _response_values(layout, [np.asarray(r.logprobs, dtype=np.float32) for r in chosen])
     adv = _response_values(layout, [np.float32(advantages[i]) for i in indices])
     versions = _response_values(layout, [r.token_versions() for r in chosen])
+    policy = [r.policy_mask for r in chosen]
+    if any(m is not None for m in policy):  # environment tokens between turns: context, never a target of the loss
+        mask &= _response_values(layout, [np.ones(len(r.token_ids), bool) if m is None else m
+                                          for r, m in zip(chosen, policy)])
     versions[~mask] = -1  # prompt positions carry no version
+    behaviour[~mask] = 0.0
+    adv[~mask] = 0.0
 
     def tensor(array, dtype):
         return copy_to_device(torch.from_numpy(array).to(dtype), device)

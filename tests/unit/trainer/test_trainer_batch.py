@@ -86,3 +86,25 @@ def test_pack_sft():
     assert mb.loss_mask.tolist() == [True, False, True, True, True]
     assert mb.cu_seqlens == (0, 1, 5) and mb.routing is None
     assert pack_sft(ex, [], device=CPU).is_dummy
+
+
+def test_environment_tokens_are_context_not_loss_targets():
+    """A multi-turn response: tokens an environment wrote between the policy's turns (policy_mask False)
+    are inputs with their routing rows (replayed like every other token) but no loss position, behaviour
+    logprob, advantage or version."""
+    routing = np.arange(14, dtype=np.uint8).reshape(7, L)  # [Tp + Tr, L]
+    policy = np.array([True, False, False, True, True])
+    r = Rollout(prompt_ids=np.array([5, 6], np.int32), token_ids=np.array([7, 8, 9, 10, 11], np.int32),
+                logprobs=np.array([-0.5, 9.0, 9.0, -1.5, -2.5], np.float32), routing=routing,
+                version_segments=((0, 3), (1, 1), (3, 4)), finish_reason="stop", policy_mask=policy)
+    assert r.num_policy_tokens == 3 and r.min_version == 3  # version 1 marks only environment tokens
+    mb = pack_rollouts([r], np.array([2.0]), [0], num_layers=L, replay=True, device=CPU)
+    assert mb.targets.tolist() == [6, 7, 8, 9, 10, 11]
+    assert mb.loss_mask.tolist() == [False, True, False, False, True, True]
+    assert mb.behaviour_logprobs.tolist() == pytest.approx([0, -0.5, 0, 0, -1.5, -2.5])
+    assert mb.advantages.tolist() == [0, 2, 0, 0, 2, 2]
+    assert mb.versions.tolist() == [-1, 3, -1, -1, 4, 4]
+    assert mb.routing.tolist() == routing[:6].tolist()  # every input token, the environment's included
+    with pytest.raises(ValueError, match=r"policy_mask must be a \[5\] bool array"):
+        Rollout(prompt_ids=r.prompt_ids, token_ids=r.token_ids, logprobs=r.logprobs, routing=None,
+                version_segments=((0, 1),), finish_reason="stop", policy_mask=np.ones(4, bool))
