@@ -59,10 +59,10 @@ from zrl.config.schema import Recipe, RLStage
 from zrl.env import registry
 from zrl.evaluate import EvalResult
 from zrl.metrics import MetricsLogger
-from zrl.pipeline.faults import reason_of, trainer_results
+from zrl.pipeline.faults import RANK_FAILURE_GRACE_S, reason_of, trainer_results
 from zrl.pipeline.held_out import held_out_metrics, held_out_requests
 from zrl.pipeline.pools import Pool, release, reserve_pools
-from zrl.pipeline.rl_stage import RANK_FAILURE_GRACE_S, RLStageRunner, StageContext
+from zrl.pipeline.rl_stage import RLStageRunner, StageContext
 from zrl.pipeline.sft_stage import run_sft_stage
 from zrl.pipeline.trainer_rank import TrainerRank
 
