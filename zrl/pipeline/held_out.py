@@ -22,6 +22,7 @@ last step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from zrl.config.schema import RLStage
@@ -107,20 +108,18 @@ class InTrainingEvaluations:
             return worker.evaluate.remote(self.requests, self.seed)
         return None
 
-    def ended(self, pending: dict) -> list:
+    def ended(self, pending: dict) -> Iterator[tuple]:
         """Await the evaluations still running at the stage's end (`pending`: the stage loop's calls in
-        flight; their `EvalCall`s are taken out of it); the (record, reference) of each that ended in time."""
+        flight; their `EvalCall`s are taken out of it); yields (record, reference) of each as it ends in time."""
         import ray
 
         from zrl.pipeline.stage_calls import EvalCall
 
-        ended = []
         for ref in [r for r, c in pending.items() if isinstance(c, EvalCall)]:
             call = pending.pop(ref)
             ready, _ = ray.wait([ref], timeout=self.timeout_s, fetch_local=False)
             if ready:
-                ended.append((call, ref))
+                yield call, ref
             else:
                 log.warning("stage %r: a held-out evaluation did not end within %g s of the stage's end; it is "
                             "skipped", self.stage_name, self.timeout_s)
-        return ended

@@ -189,7 +189,8 @@ class RLStageRunner:
         for ref in ready:
             call = self.pending.pop(ref)
             handler = {RoundCall: self._on_round, VerifyCall: self.admission.on_verified,
-                       AdmitCall: self.admission.on_admitted, CreditCall: self._on_credit, ReleaseCall: self._on_released, TrainCall: self._on_trained,
+                       AdmitCall: self.admission.on_admitted, CreditCall: self._on_credit,
+                       ReleaseCall: self._on_released, TrainCall: self._on_trained,
                        TrainerSyncCall: self._on_trainer_synced, WorkerSyncCall: self._on_worker_synced,
                        EvalCall: self._on_evaluated, CheckedCall: lambda call, ref: self._fetch(ref)}[type(call)]
             handler(call, ref)
@@ -265,8 +266,7 @@ class RLStageRunner:
         self.watchdog.step_done()
         self.pending[self.buffer.set_trainer_step.remote(s.policy_version)] = CheckedCall("buffer.set_trainer_step")
         self._carry_out(requests)
-        now = time.perf_counter()
-        self.reporter.step(now, s, metrics, call.batch_metrics, ray.get(self.buffer.metrics.remote()),
+        self.reporter.step(time.perf_counter(), s, metrics, call.batch_metrics, ray.get(self.buffer.metrics.remote()),
                            self.environment_counts)
         step = s.policy_version
         if step % self.stage.checkpoint_every_steps == 0 or s.done:
@@ -296,7 +296,8 @@ class RLStageRunner:
             return
         lost = self.schedule.workers[w].groups_in_engine
         self.schedule.take(WorkerLost(w))
-        self.restarts.restart(w, self.workers[w], lost)
+        self.restarts.handled(w, lost)
+        self.restarts.await_restart(w, self.workers[w])
         if self.worker_states[w]:  # the restarted worker continues its prompt stream, not from draw 0
             ray.get(self.workers[w].load_state_dict.remote(self.worker_states[w]))
         self.sync.worker_restarted()

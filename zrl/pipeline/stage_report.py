@@ -126,7 +126,8 @@ class StageReporter:
     def __init__(self, stage_name: str, counters: StageCounters, log_metrics, curriculum=None):
         """`log_metrics`: callable(step, values) -> whether the row was written; `curriculum`: the
         stage's StageCurriculum, or None."""
-        self.stage_name, self.counters, self.log_metrics, self.curriculum = stage_name, counters, log_metrics, curriculum
+        self.stage_name, self.counters, self.curriculum = stage_name, counters, curriculum
+        self.log_metrics = log_metrics
         self.window_start = self.last_heartbeat = time.perf_counter()
         self.eval_values: dict[str, float] = {}  # the latest evaluation's metrics, until a row carries them
 

@@ -51,12 +51,15 @@ class WorkerRestarts:
                                f"(asynchrony.max_worker_restarts {self.limit}); last: {reason_of(exc)}") from None
         return True
 
-    def restart(self, w: int, actor, lost_groups: int) -> None:
-        """Mark worker w's death handled (its calls started before now are ignored) and wait for Ray's restart."""
+    def handled(self, w: int, lost_groups: int) -> None:
+        """Worker w's death is handled: its calls started before now are ignored."""
         self.lost_at_seq[w] = self.next_seq()
         log.warning("rollout worker %d died (%d of %d restarts); %d group(s) in its engine lost, their prompts are "
                     "not drawn again; Ray restarts it, it continues its prompt stream after its last reported round "
                     "and every worker is synced again", w, self.deaths[w], self.limit, lost_groups)
+
+    def await_restart(self, w: int, actor) -> None:
+        """Block until Ray has restarted worker w (`actor`: its handle)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
