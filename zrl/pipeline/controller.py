@@ -270,9 +270,9 @@ class Cascade:
 
     def _load_checkpoint(self, ranks: list, point: ResumePoint) -> dict:
         data_state = ray.get([r.load_checkpoint.remote(str(point.path)) for r in ranks])[0]
-        version = ray.get(ranks[0].version.remote())
-        if version != point.step:
-            raise RuntimeError(f"{point.path} holds trainer step {version}, latest.json says {point.step}")
+        trainer_step = ray.get(ranks[0].version.remote())  # the policy version of its weights: the same count
+        if trainer_step != point.step:
+            raise RuntimeError(f"{point.path} holds trainer step {trainer_step}, latest.json says {point.step}")
         if data_state.get("stage") != point.stage:
             raise RuntimeError(f"{point.path} holds the data state of stage {data_state.get('stage')!r}, "
                                f"latest.json says {point.stage!r}")
@@ -288,12 +288,12 @@ class Cascade:
 
         tokenizer = AutoTokenizer.from_pretrained(self.recipe.model.tokenizer_path or self.model_path)
         resume = {} if data_state is None else {"resume_step": step, "data_state": data_state}
-        return run_sft_stage(stage, ranks, tokenizer, seed=stage.seed + self.recipe.seed, first_version=first_step,
+        return run_sft_stage(stage, ranks, tokenizer, seed=stage.seed + self.recipe.seed, first_step=first_step,
                              log_metrics=self._log(stage), checkpoint=checkpoint, **resume)
 
     def _run_rl_stage(self, stage, ranks: list, first_step: int, step: int, data_state: dict | None,
                       checkpoint) -> int:
-        resume = {} if data_state is None else {"resume_version": step, "data_state": data_state}
+        resume = {} if data_state is None else {"resume_step": step, "data_state": data_state}
         ctx = StageContext(ranks=ranks, rollout_pool=self.rollout_pool, model_path=self.model_path,
                            engine_dtype=self.recipe.model.dtype, kernels=self.recipe.model.kernels,
                            token_budget=trainer_settings(self.recipe, stage).token_budget,
@@ -307,7 +307,7 @@ class Cascade:
         inherits = data_state is None
         frontier = self._frontier if inherits and stage.inherit.length_reward_state else None
         curriculum = self._curriculum if inherits and stage.inherit.curriculum else None
-        runner = RLStageRunner(stage, ctx, first_version=first_step, frontier=frontier, curriculum=curriculum, **resume)
+        runner = RLStageRunner(stage, ctx, first_step=first_step, frontier=frontier, curriculum=curriculum, **resume)
         self._inherited = runner.inherited if inherits else None
         step = runner.run()
         self._frontier, self._curriculum = runner.final_frontier, runner.final_curriculum

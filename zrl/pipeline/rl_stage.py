@@ -81,22 +81,22 @@ class StageContext:
 
 
 class RLStageRunner:
-    def __init__(self, stage: RLStage, ctx: StageContext, first_version: int, resume_version: int | None = None,
+    def __init__(self, stage: RLStage, ctx: StageContext, first_step: int, resume_step: int | None = None,
                  data_state: dict | None = None, frontier: dict | None = None, curriculum: dict | None = None):
-        """Trains the stage's steps from policy version `first_version` (or, with a checkpoint's
-        `data_state`, from `resume_version`, the ranks already holding its weights). `frontier`: the
+        """Trains the stage's steps from trainer step `first_step` (or, with a checkpoint's
+        `data_state`, from `resume_step`, the ranks already holding its weights). `frontier`: the
         running max solve rates a previous stage ended with (recipe `inherit.length_reward_state`);
         `curriculum`: the previous stage's difficulty-scheduler state (recipe `inherit.curriculum`)."""
         self.stage, self.ctx = stage, ctx
         a = stage.asynchrony
-        version = first_version if resume_version is None else resume_version
+        step = first_step if resume_step is None else resume_step
         n = ctx.rollout_pool.size
-        self.schedule = StageSchedule(num_workers=n, policy_version=version, end_version=first_version + stage.steps,
+        self.schedule = StageSchedule(num_workers=n, trainer_step=step, end_step=first_step + stage.steps,
                                       prompts_per_batch=stage.sampling.prompts_per_batch,
                                       sync_every_steps=a.sync_every_steps, synchronous=a.max_staleness_steps == 0)
         self.counters = StageCounters()
         self.workers = [ctx.rollout_pool.actor(RolloutWorker, i, i, ctx.model_path, stage, ctx.seed, ctx.engine_dtype,
-                                               policy_version=version, kernels=ctx.kernels, publish=ray.put,
+                                               policy_version=step, kernels=ctx.kernels, publish=ray.put,
                                                prefix_caching=ctx.prefix_caching, max_restarts=a.max_worker_restarts)
                         for i in range(n)]
         ctx.rollout_pool.actors = self.workers
@@ -106,7 +106,7 @@ class RLStageRunner:
         inherited = SolveRateFrontier()
         inherited.load_state_dict(frontier or {})
         self.buffer = light_actor(RolloutBuffer, stage.asynchrony, stage.algorithm, stage.sampling,
-                                  stage_steps=stage.steps, first_version=first_version, frontier=inherited)
+                                  stage_steps=stage.steps, first_version=first_step, frontier=inherited)
         self.final_frontier: dict = dict(frontier or {})  # set from the buffer when the stage closes
         # only the adaptive entries' environments are built here (their levels and tasks)
         adaptive = adaptive_entries(build_entries([e for e in stage.environments if e.difficulty == "adaptive"]))
@@ -118,17 +118,17 @@ class RLStageRunner:
         self.verifiers = VerifierPool(stage.environments, a.verifier_timeout_s, ctx.verifier_workers,
                                       ctx.cpus_per_verifier_worker)
         self.watchdog = ProgressWatchdog(a.progress_timeout_s, a.max_discarded_batches * stage.sampling.prompts_per_batch)
-        self.last_checkpoint = resume_version              # trainer step of the stage's newest checkpoint
+        self.last_checkpoint = resume_step                 # trainer step of the stage's newest checkpoint
         self.pending: dict = {}     # object reference -> the call record above
         self.sync = SyncCoordinator(stage.name, a, ctx, self.workers, self.counters, self.pending, self._fetch,
                                     self.restarts.next_seq)
         self.admission = StageAdmission(self.schedule, self.verifiers, self.buffer, self.curriculum, self.watchdog,
                                         self.counters, self.pending, self._fetch)
         self.reporter = StageReporter(stage.name, self.counters, ctx.log_metrics, self.curriculum)
-        self.evaluations = InTrainingEvaluations(stage, version, first_version + stage.steps, ctx.evaluation_seed)
+        self.evaluations = InTrainingEvaluations(stage, step, first_step + stage.steps, ctx.evaluation_seed)
         if data_state is not None:
             passed_on = stage_state.restore(stage.name, data_state, self.buffer, self.workers, self.worker_states,
-                                            self.curriculum, version)
+                                            self.curriculum, step)
             self.final_curriculum = passed_on if passed_on is not None else self.final_curriculum
 
     def data_state(self) -> dict:
@@ -141,7 +141,7 @@ class RLStageRunner:
     def run(self) -> int:
         s = self.schedule
         log.info("stage %r: %d RL steps from trainer step %d (%s mode, weight sync: %s)", self.stage.name,
-                 s.end_version - s.policy_version, s.policy_version,
+                 s.end_step - s.trainer_step, s.trainer_step,
                  "synchronous" if s.synchronous else "asynchronous", self.counters.sync_transport)
         trainer_ok = True
         try:
@@ -161,19 +161,19 @@ class RLStageRunner:
             raise
         finally:
             self._close(trainer_ok)
-        return s.policy_version
+        return s.trainer_step
 
     def _check_progress(self) -> None:
         """Stop on a signal (at a step boundary, after a checkpoint) or when the stage cannot progress."""
         if StopRequest.requested() and not self.schedule.training:
-            raise_if_stop_requested(self.schedule.policy_version, self._checkpoint_now)
+            raise_if_stop_requested(self.schedule.trainer_step, self._checkpoint_now)
         reason = self.watchdog.reason()
         if reason is not None:
             counts = counts_line(ray.get(self.buffer.counts.remote()), self.schedule)
             raise StageStopped(f"stage {self.stage.name!r} stopped: {reason}; {counts}")
 
     def _checkpoint_now(self, step: int) -> None:
-        if self.ctx.checkpoint and step != self.last_checkpoint and step > self.schedule.end_version - self.stage.steps:
+        if self.ctx.checkpoint and step != self.last_checkpoint and step > self.schedule.end_step - self.stage.steps:
             self.ctx.checkpoint(step, self.data_state())
             self.last_checkpoint = step
 
@@ -239,7 +239,7 @@ class RLStageRunner:
 
     def _ask_batch(self, request: AskBatch) -> None:
         world = len(self.ctx.ranks)
-        refs = self.buffer.release.options(num_returns=1 + world).remote(request.policy_version, world,
+        refs = self.buffer.release.options(num_returns=1 + world).remote(request.trainer_step, world,
                                                                           self.ctx.token_budget)
         self.pending[refs[0]] = ReleaseCall(tuple(refs[1:]))
 
@@ -254,7 +254,7 @@ class RLStageRunner:
             self.pending[ref] = train
 
     def _on_trained(self, call: TrainCall, ref) -> None:
-        what = f"step {self.schedule.policy_version + 1}"
+        what = f"step {self.schedule.trainer_step + 1}"
         if call_errors([ref]):  # the other ranks cannot finish the step: give them a moment to fail too
             trainer_results(call.refs, what, self._fetch, timeout_s=RANK_FAILURE_GRACE_S)
         if any(r in self.pending for r in call.refs):
@@ -264,11 +264,11 @@ class RLStageRunner:
         s = self.schedule
         requests = s.take(StepDone())
         self.watchdog.step_done()
-        self.pending[self.buffer.set_trainer_step.remote(s.policy_version)] = CheckedCall("buffer.set_trainer_step")
+        self.pending[self.buffer.set_trainer_step.remote(s.trainer_step)] = CheckedCall("buffer.set_trainer_step")
         self._carry_out(requests)
         self.reporter.step(time.perf_counter(), s, metrics, call.batch_metrics, ray.get(self.buffer.metrics.remote()),
                            self.environment_counts)
-        step = s.policy_version
+        step = s.trainer_step
         if step % self.stage.checkpoint_every_steps == 0 or s.done:
             self._checkpoint_now(step)
 
@@ -326,7 +326,7 @@ class RLStageRunner:
         """Await the evaluations still running and log what no row carried yet at the stage's last step."""
         for call, ref in self.evaluations.ended(self.pending):
             self._on_evaluated(call, ref)
-        self.reporter.flush_evaluation(self.schedule.policy_version)
+        self.reporter.flush_evaluation(self.schedule.trainer_step)
 
     def _close(self, trainer_ok: bool = True) -> None:
         # Collectives first: ranks must finish a step or a sync before anything else runs on them

@@ -19,7 +19,7 @@ Decisions (the buffer keeps its own: admission credit, staleness, capacity, read
   (max_staleness_steps = 0) no new group starts while a step trains or weights sync; groups already
   in an engine continue.
 - Training. One step at a time: a batch is asked for when no step trains and no request is pending
-  (synchronous mode: and no sync runs). The policy version is the trainer's optimizer step count.
+  (synchronous mode: and no sync runs).
 - Weight sync. At the stage's start, and after every `sync_every_steps`-th step except the stage's
   last, every worker gets the new weights (`StartSync`). A worker that died and was restarted by Ray
   holds unknown weights: every worker is synced again at once (a sync is one collective over all of them).
@@ -32,6 +32,10 @@ Decisions (the buffer keeps its own: admission credit, staleness, capacity, read
 
 Tracked per worker (`WorkerState`): the policy version its engine holds (-1: unknown, after a
 restart), the groups in its engine, whether a round or a sync is in flight.
+
+Two counts, two names: `trainer_step` is the optimizer steps the trainer has done; a `policy_version`
+is the trainer step a set of weights came from, as held by a rollout worker or stamped on a token (it
+reaches the workers at a sync, so a worker's lags the trainer step by up to `sync_every_steps`).
 """
 
 from __future__ import annotations
@@ -59,15 +63,15 @@ class LaunchRound:
 
 @dataclass(frozen=True)
 class AskBatch:
-    """Ask the buffer for the batch that trains the policy at version `policy_version`. Answer:
-    `BatchAnswer`, then `StepDone` when it was released and trained."""
-    policy_version: int
+    """Ask the buffer for the batch of trainer step `trainer_step` (the step it trains is the next one).
+    Answer: `BatchAnswer`, then `StepDone` when it was released and trained."""
+    trainer_step: int
 
 
 @dataclass(frozen=True)
 class StartSync:
-    """Send the trainer's weights (version `policy_version`) to every worker. Answers: `TrainerSynced`,
-    and `WorkerSynced` from every worker."""
+    """Send the trainer's weights to every worker, which then hold policy version `policy_version` (the
+    trainer step they came from). Answers: `TrainerSynced`, and `WorkerSynced` from every worker."""
     policy_version: int
 
 
@@ -146,8 +150,8 @@ class WorkerState:
 @dataclass
 class StageSchedule:
     num_workers: int
-    policy_version: int           # the trainer's: optimizer steps done
-    end_version: int              # the stage ends when the trainer reaches it
+    trainer_step: int             # optimizer steps the trainer has done
+    end_step: int                 # the stage ends when the trainer reaches it
     prompts_per_batch: int
     sync_every_steps: int
     synchronous: bool
@@ -168,14 +172,14 @@ class StageSchedule:
     _generating_version: int | None = field(init=False, default=None)  # None: to be recomputed
 
     def __post_init__(self):
-        self.workers = [WorkerState(self.policy_version) for _ in range(self.num_workers)]
+        self.workers = [WorkerState(self.trainer_step) for _ in range(self.num_workers)]
         self._idle = set(range(self.num_workers))
 
     # ------------------------------------------------------------------ queries
 
     @property
     def done(self) -> bool:
-        return self.policy_version >= self.end_version
+        return self.trainer_step >= self.end_step
 
     @property
     def syncing(self) -> bool:
@@ -194,7 +198,7 @@ class StageSchedule:
         """The oldest policy version workers generate new groups with (a restarted worker will hold
         the latest version before it generates again)."""
         if self._generating_version is None:
-            self._generating_version = min([w.policy_version if w.policy_version >= 0 else self.policy_version
+            self._generating_version = min([w.policy_version if w.policy_version >= 0 else self.trainer_step
                                             for w in self.workers])
         return self._generating_version
 
@@ -228,7 +232,7 @@ class StageSchedule:
             requests += self._start_sync()
         if self.wants_batch():
             self.batch_requested = True
-            requests.append(AskBatch(self.policy_version))
+            requests.append(AskBatch(self.trainer_step))
         return requests
 
     def take(self, answer: Answer) -> list[Request]:
@@ -321,9 +325,9 @@ class StageSchedule:
     def _step_done(self) -> list[Request]:
         self.training = False
         self.waiting = False
-        self.policy_version += 1
+        self.trainer_step += 1
         self._generating_version = None   # a restarted worker counts as the trainer's version
-        if self.policy_version % self.sync_every_steps == 0 and not self.done:
+        if self.trainer_step % self.sync_every_steps == 0 and not self.done:
             return self._start_sync()
         return []
 
@@ -333,7 +337,7 @@ class StageSchedule:
         for worker in self.workers:
             worker.syncing = True
         self._idle.clear()
-        return [StartSync(self.policy_version)]
+        return [StartSync(self.trainer_step)]
 
     def _worker_synced(self, index: int, policy_version: int | None) -> None:
         """After a failed part (None) every worker gets the weights again."""

@@ -143,10 +143,10 @@ class StageReporter:
                 for name, value in counters.items():
                     metric = f"env/{key}/{name}"
                     values[metric] = values.get(metric, 0.0) + value
-        step = schedule.policy_version
+        step = schedule.trainer_step
         if self.log_metrics(step, {**values, **self.eval_values}):
             self.eval_values = {}
-        log.info(progress_line(step, schedule.end_version, values))
+        log.info(progress_line(step, schedule.end_step, values))
         self.window_start = now
         self.counters.reset_window()
 
@@ -161,7 +161,7 @@ class StageReporter:
     def heartbeat(self, schedule: StageSchedule, buffer_counts: dict[str, int]) -> None:
         """While no step completes, say what the buffer sees (e.g. every group dropped as zero-signal)."""
         log.info("waiting for step %d: %s | in flight %d group(s) | skipped %d prompt(s) longer than "
-                 "max_prompt_tokens | %s", schedule.policy_version + 1,
+                 "max_prompt_tokens | %s", schedule.trainer_step + 1,
                  ", ".join(f"{k} {v}" for k, v in buffer_counts.items()), schedule.in_flight_groups(),
                  self.counters.skipped_long_prompts, self._waiting_for(schedule))
 

@@ -28,7 +28,7 @@ def data_state(stage_name: str, buffer, worker_states: list[dict], curriculum, p
 
 
 def restore(stage_name: str, state: dict, buffer, workers: list, worker_states: list[dict], curriculum,
-            policy_version: int) -> dict | None:
+            trainer_step: int) -> dict | None:
     """Load `data_state()` of a checkpoint into the buffer, the curriculum and the workers (and
     `worker_states`, in place). Returns the checkpoint's scheduler state when the stage has no
     curriculum to load it into (to pass on), else None."""
@@ -52,5 +52,5 @@ def restore(stage_name: str, state: dict, buffer, workers: list, worker_states: 
         log.warning("stage %r: %d prompt place(s) of the ledger lie past the restored worker positions; they will "
                     "be drawn again and dropped as repeats", stage_name, ahead)
     log.info("stage %r: resumed at trainer step %d (buffer counters and %d worker prompt position(s) "
-             "restored)", stage_name, policy_version, min(len(saved), len(workers)))
+             "restored)", stage_name, trainer_step, min(len(saved), len(workers)))
     return passed_on

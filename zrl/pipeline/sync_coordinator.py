@@ -64,7 +64,7 @@ class CollectiveSync:
         """A member died or a sync failed: the group is formed again before the next sync."""
         self.group_ready = False
 
-    def submit(self, ranks: list, workers: list, version: int, engine_dtype: str, bucket_bytes: int):
+    def submit(self, ranks: list, workers: list, policy_version: int, engine_dtype: str, bucket_bytes: int):
         return (tuple(r.sync_weights.remote(engine_dtype, bucket_bytes) for r in ranks),
                 [w.receive_weights.remote() for w in workers])
 
@@ -89,9 +89,9 @@ class ObjectStoreSync:
     def broken(self) -> None:
         pass
 
-    def submit(self, ranks: list, workers: list, version: int, engine_dtype: str, bucket_bytes: int):
+    def submit(self, ranks: list, workers: list, policy_version: int, engine_dtype: str, bucket_bytes: int):
         refs = tuple(r.export_state.remote(engine_dtype) for r in ranks)
-        return refs, [w.update_weights.remote(refs[0], version) for w in workers]
+        return refs, [w.update_weights.remote(refs[0], policy_version) for w in workers]
 
     def fetchable(self, refs: tuple) -> tuple:
         """Rank 0's result is the whole state dict: never fetched by the driver."""

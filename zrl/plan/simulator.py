@@ -55,7 +55,7 @@ EPS = 1e-9
 
 @dataclass(slots=True)
 class _Group:
-    version: int              # the policy version of every token (its engine's when it started)
+    policy_version: int       # of every token (its engine's when it started)
     lengths: np.ndarray       # [G] response tokens
     tokens: int               # their sum
 
@@ -79,7 +79,7 @@ class _Engine:
         self.paused: tuple[float, float] | None = None  # (when, chain_start) of the last round end
         self.accounted_to = 0.0               # busy time is counted up to here
         self.busy_s = 0.0                     # seconds with running sequences
-        self.version = 0                      # the policy version its weights hold
+        self.policy_version = 0               # of the weights it holds
         self.draws = 0                        # prompt draws made (group ids)
         self.groups_in_engine = 0
         self.event = 0                        # token of its live round-end event
@@ -210,7 +210,7 @@ class _Simulation:
         self.workload, self.steps = workload, steps
         self.group_size = s.group_size
         self.rng = np.random.default_rng(seed)
-        self.schedule = schedule_class(num_workers=rollout_workers, policy_version=0, end_version=steps,
+        self.schedule = schedule_class(num_workers=rollout_workers, trainer_step=0, end_step=steps,
                                       prompts_per_batch=s.prompts_per_batch, sync_every_steps=a.sync_every_steps,
                                       synchronous=a.max_staleness_steps == 0)
         self.queue = BatchQueue(a, s.prompts_per_batch)
@@ -223,7 +223,7 @@ class _Simulation:
         self._seq = 0
         self.trainer_free = 0.0
         self.release_t = 0.0
-        self.sync_version: int | None = None
+        self.sync_version: int | None = None   # the policy version the pending sync sends
         self.syncs = 0
         self.rows: list[StepRow] = []
         self.window_start = 0.0
@@ -257,7 +257,7 @@ class _Simulation:
         self._carry_out(s.start(), t)
         while not s.done:
             if not self.events:
-                raise RuntimeError(f"the simulated stage stalled at step {s.policy_version} (t={t:.1f} s): "
+                raise RuntimeError(f"the simulated stage stalled at step {s.trainer_step} (t={t:.1f} s): "
                                    f"{self._counts()}, in flight {s.in_flight_groups()}")
             t, _, kind, w, token = heapq.heappop(self.events)
             if kind == "round":
@@ -281,7 +281,7 @@ class _Simulation:
             first = self.groups_started
             all_lengths = self.workload.lengths.sample(self.rng, new * self.group_size).reshape(new, self.group_size)
             for i, tokens in enumerate(all_lengths.sum(axis=1).tolist()):
-                self.groups[first + i] = _Group(e.version, all_lengths[i], tokens)
+                self.groups[first + i] = _Group(e.policy_version, all_lengths[i], tokens)
             self.groups_started += new
             e.draws += 1
             e.groups_in_engine += new
@@ -306,7 +306,7 @@ class _Simulation:
         e.count_busy(t)
         finished = [self.groups.pop(index) for index in e.advance(t)]
         e.groups_in_engine -= len(finished)
-        s.take(RoundDone(w, len(finished), e.groups_in_engine, e.version))
+        s.take(RoundDone(w, len(finished), e.groups_in_engine, e.policy_version))
         for group in finished:
             s.take(GroupHandedOn())
             self._admit(group)
@@ -322,7 +322,7 @@ class _Simulation:
         if self.rng.random() < self.workload.zero_signal_fraction and self.dynamic_sampling:
             self.dropped += 1
         else:
-            self.queue.push(group, group.version)
+            self.queue.push(group, group.policy_version)
 
     def _wake_for_credit(self, t: float) -> None:
         """Credit the buffer would give now is taken at the earliest round end of a running worker
@@ -358,14 +358,14 @@ class _Simulation:
 
     def _release(self, request: AskBatch, t: float) -> None:
         s = self.schedule
-        step = request.policy_version
+        step = request.trainer_step
         groups = self.queue.take(step)
         s.take(BatchAnswer(groups is not None))
         if groups is None:
             return
         response_tokens = 0
         for group in groups:
-            staleness = step - group.version
+            staleness = step - group.policy_version
             self.staleness_tokens[staleness] = self.staleness_tokens.get(staleness, 0.0) + group.tokens
             self.staleness_rollouts[staleness] += self.group_size
             response_tokens += group.tokens
@@ -373,20 +373,20 @@ class _Simulation:
         start = max(t, self.trainer_free)
         response = np.concatenate([group.lengths for group in groups])  # [N_seq]
         self.trainer_free = start + self.workload.trainer.step_s(response + self.workload.prompt_tokens)
-        self.last_batch = (step - min(group.version for group in groups), response_tokens)
+        self.last_batch = (step - min(group.policy_version for group in groups), response_tokens)
         self._push(self.trainer_free, "trained")
 
     def _on_trained(self, t: float) -> None:
         s = self.schedule
         requests = s.take(StepDone())
-        self.queue.set_trainer_step(s.policy_version)
+        self.queue.set_trainer_step(s.trainer_step)
         self._carry_out(requests, t)
         for e in self.engines:
             e.count_busy(t)
         total_busy = sum(e.busy_s for e in self.engines)
         busy, self.busy_before = total_busy - self.busy_before, total_busy
         window = max(t - self.window_start, EPS)
-        self.rows.append(StepRow(s.policy_version, t, max(0.0, 1 - busy / (window * len(self.engines))),
+        self.rows.append(StepRow(s.trainer_step, t, max(0.0, 1 - busy / (window * len(self.engines))),
                                  max(0.0, 1 - (t - self.release_t) / window), *self.last_batch))
         self.window_start = t
 
@@ -415,7 +415,7 @@ class _Simulation:
         s = self.schedule
         s.take(TrainerSynced())
         for w, e in enumerate(self.engines):
-            e.version = self.sync_version
+            e.policy_version = self.sync_version
             e.sync_ready = None
             s.take(WorkerSynced(w, self.sync_version))
         self.syncs += 1

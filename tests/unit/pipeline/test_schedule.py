@@ -16,8 +16,8 @@ from zrl.pipeline.schedule import (REQUEST_TYPES, AskBatch, AskCredit, BatchAnsw
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def schedule(workers=2, version=0, steps=6, prompts_per_batch=4, sync_every=2, synchronous=False):
-    return StageSchedule(num_workers=workers, policy_version=version, end_version=version + steps,
+def schedule(workers=2, step=0, steps=6, prompts_per_batch=4, sync_every=2, synchronous=False):
+    return StageSchedule(num_workers=workers, trainer_step=step, end_step=step + steps,
                          prompts_per_batch=prompts_per_batch, sync_every_steps=sync_every, synchronous=synchronous)
 
 
@@ -26,26 +26,26 @@ def launches(requests) -> list[tuple[int, int]]:
     return [(r.worker, r.new_groups) for r in requests]
 
 
-def round_done(s, index, finished=0, in_engine=None, version=0):
+def round_done(s, index, finished=0, in_engine=None, policy_version=0):
     in_engine = s.workers[index].groups_in_engine if in_engine is None else in_engine
-    assert s.take(RoundDone(index, finished, in_engine, version)) == []
+    assert s.take(RoundDone(index, finished, in_engine, policy_version)) == []
 
 
-def synced(s, version=0):
+def synced(s, policy_version=0):
     s.take(TrainerSynced())
     for index in range(len(s.workers)):
-        s.take(WorkerSynced(index, version))
+        s.take(WorkerSynced(index, policy_version))
 
 
 def test_the_first_request_syncs_every_worker():
-    s = schedule(version=3)
+    s = schedule(step=3)
     assert s.start() == [StartSync(3)]
     assert s.syncing and all(w.syncing for w in s.workers)
 
 
 def test_credit_is_shared_evenly_among_idle_workers_up_to_a_batch_each():
     s = schedule(workers=3)
-    assert s.next_requests() == [AskCredit(in_flight_groups=0, generating_version=0), AskBatch(policy_version=0)]
+    assert s.next_requests() == [AskCredit(in_flight_groups=0, generating_version=0), AskBatch(trainer_step=0)]
     assert s.next_requests() == []  # one question of each kind at a time
     assert launches(s.take(CreditAnswer(5))) == [(0, 2), (1, 2), (2, 1)]  # ceil(5 / 3) each, in worker order
     assert [w.groups_in_engine for w in s.workers] == [2, 2, 1]
@@ -97,15 +97,15 @@ def test_weights_sync_every_k_steps_but_not_after_the_last():
     s = schedule(steps=4, sync_every=2)
     due = []
     while not s.done:
-        assert AskBatch(s.policy_version) in s.next_requests()
+        assert AskBatch(s.trainer_step) in s.next_requests()
         s.take(BatchAnswer(released=True))
         assert s.training and not s.wants_batch()
         requests = s.take(StepDone())
-        due.append(requests == [StartSync(s.policy_version)])
+        due.append(requests == [StartSync(s.trainer_step)])
         if requests:
-            synced(s, s.policy_version)
+            synced(s, s.trainer_step)
     assert due == [False, True, False, False]
-    assert s.policy_version == 4
+    assert s.trainer_step == 4
 
 
 def test_synchronous_mode_starts_no_group_while_a_step_trains_or_weights_sync():
@@ -123,7 +123,7 @@ def test_synchronous_mode_starts_no_group_while_a_step_trains_or_weights_sync():
 
 
 def test_a_lost_worker_loses_its_groups_and_every_worker_is_synced_again():
-    s = schedule(workers=2, version=3)
+    s = schedule(workers=2, step=3)
     s.next_requests()
     s.take(CreditAnswer(8))
     assert s.take(WorkerLost(0)) == []
@@ -249,13 +249,13 @@ def test_the_pool_totals_it_keeps_agree_with_the_workers_after_any_sequence_of_a
                 s.take(CreditAnswer(int(rng.integers(0, 9))))
         elif event == 1 and worker.in_round:
             s.take(RoundDone(index, 0, int(rng.integers(0, worker.groups_in_engine + 1)),
-                             int(rng.integers(0, s.policy_version + 1))))
+                             int(rng.integers(0, s.trainer_step + 1))))
         elif event == 2:
             s.take(WorkerLost(index))
         elif event == 3 and not s.syncing:
             s.start()
         elif event == 4 and worker.syncing:
-            s.take(WorkerSynced(index, None if rng.random() < 0.2 else s.policy_version))
+            s.take(WorkerSynced(index, None if rng.random() < 0.2 else s.trainer_step))
         elif event == 5 and s.training:
             s.take(StepDone())
         elif event == 6 and s.trainer_syncing:
@@ -263,7 +263,7 @@ def test_the_pool_totals_it_keeps_agree_with_the_workers_after_any_sequence_of_a
         elif event == 7 and s.batch_requested:
             s.take(BatchAnswer(bool(rng.random() < 0.5)))
         assert s.in_flight_groups() == sum(w.groups_in_engine for w in s.workers) + s.verifying
-        assert s.generating_version() == min(w.policy_version if w.policy_version >= 0 else s.policy_version
+        assert s.generating_version() == min(w.policy_version if w.policy_version >= 0 else s.trainer_step
                                              for w in s.workers)
         assert s.wants_credit() == (not s.credit_requested and not s.waiting and not s.paused
                                     and any(not w.in_round and not w.syncing for w in s.workers))

@@ -8,13 +8,13 @@ from zrl.pipeline.stage_report import StageCounters, progress_line, step_metrics
 
 
 def values(**extra):
-    schedule = StageSchedule(num_workers=1, policy_version=3, end_version=6, prompts_per_batch=2,
+    schedule = StageSchedule(num_workers=1, trainer_step=3, end_step=6, prompts_per_batch=2,
                              sync_every_steps=2, synchronous=False)
     return step_metrics(StageCounters(), schedule, {"loss/policy": 0.5}, {}, extra, window_s=2.0)
 
 
 def test_the_row_holds_the_trained_batch_the_buffer_and_each_pools_throughput():
-    schedule = StageSchedule(num_workers=1, policy_version=3, end_version=6, prompts_per_batch=2,
+    schedule = StageSchedule(num_workers=1, trainer_step=3, end_step=6, prompts_per_batch=2,
                              sync_every_steps=2, synchronous=False)
     counters = StageCounters(generated_tokens=300)
     row = step_metrics(counters, schedule, {"batch/input_tokens": 500.0}, {"reward/mean": 0.5, "staleness/max": 1.0},
@@ -66,7 +66,7 @@ def test_an_evaluation_goes_with_the_next_row_and_what_no_row_carried_is_logged_
 
     rows = []
     reporter = StageReporter("s", StageCounters(), lambda step, values: rows.append((step, values)) or True)
-    schedule = StageSchedule(num_workers=2, policy_version=3, end_version=6, prompts_per_batch=2,
+    schedule = StageSchedule(num_workers=2, trainer_step=3, end_step=6, prompts_per_batch=2,
                              sync_every_steps=2, synchronous=False)
     report = SimpleNamespace(policy_version=2, seconds=1.0,
                              results=(("e", SimpleNamespace(accuracy=0.5, mean_response_tokens=10.0)),))
