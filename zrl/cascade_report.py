@@ -19,11 +19,10 @@ import math
 from pathlib import Path
 
 from zrl.plots import _number, stage_rows
+from zrl.run_dir import RunDir
 
 log = logging.getLogger("zrl")
 
-REPORT_FILE = "cascade_report.html"
-STAGE_RECORD = "stage.json"
 
 
 def _values(rows: list[dict], name: str) -> list[float]:
@@ -88,12 +87,13 @@ def _img(data: str, alt: str) -> str:
 def write_cascade_report(run_dir: str | Path, title: str) -> Path | None:
     """Write `<run_dir>/cascade_report.html` from the finished stages' records; None when none finished."""
     run_dir = Path(run_dir)
-    paths = sorted((run_dir / "stages").glob(f"*/{STAGE_RECORD}"))
+    layout = RunDir(run_dir)
+    paths = layout.stage_records()
     records = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r["index"])
     if not records:
         log.warning("no finished stage in %s: no cascade report", run_dir)
         return None
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = layout.metrics
     has_metrics = metrics_path.is_file()
     head = ("stage", "steps", "wall time", "reward (mean) / SFT loss", "held-out accuracy of the export",
             "LZ77 flagged", "mismatch k3", "staleness mean / max", "inherited", "handed on")
@@ -123,7 +123,7 @@ def write_cascade_report(run_dir: str | Path, title: str) -> Path | None:
             figures.append(f"<h2>{html.escape(record['stage'])}</h2>"
                            + _img(base64.b64encode(Path(png).read_bytes()).decode(), record["stage"]))
     parts.append("</table>")
-    out = run_dir / REPORT_FILE
+    out = layout.cascade_report
     out.write_text("<!doctype html><html><head><meta charset='utf-8'><title>" + html.escape(title)
                    + "</title></head><body style='font-family:sans-serif'>" + "\n".join(parts + figures)
                    + "</body></html>\n")

@@ -21,6 +21,7 @@ from typing import Mapping, Protocol
 import numpy as np
 
 from zrl.config.schema import Metrics
+from zrl.run_dir import RunDir
 from zrl.types import TrainBatch
 
 
@@ -82,9 +83,9 @@ class MetricsLogger:
         run_dir = Path(run_dir)
         self.sinks: list[Sink] = []
         if config.jsonl:
-            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+            self.sinks.append(JsonlSink(RunDir(run_dir).metrics))
         if config.tensorboard:
-            self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+            self.sinks.append(TensorBoardSink(RunDir(run_dir).tensorboard))
         if config.wandb.enabled and config.wandb.mode != "disabled":
             self.sinks.append(WandbSink(run_dir, config.wandb.project, config.wandb.entity, config.wandb.mode,
                                         run_name, run_config or {}, run_id=wandb_run_id))

@@ -42,6 +42,7 @@ import yaml
 from zrl.config import Recipe, parse_recipe
 from zrl.pipeline.faults import Interrupted, StageStopped, StopRequest, TrainerFailed
 from zrl.reaper import Reaper, driver_environment, kill_tagged
+from zrl.run_dir import RunDir
 from zrl.runtime_env import engine_logs
 
 log = logging.getLogger("zrl")
@@ -52,7 +53,6 @@ RESUMABLE_FIELDS = (
     "stages.*.asynchrony.max_worker_restarts", "stages.*.asynchrony.progress_timeout_s",
     "stages.*.asynchrony.max_discarded_batches",
 )
-DRIVER_FILE = "driver.json"
 LOG_DIR = "logs"  # engine log files, under the run directory
 
 
@@ -90,13 +90,13 @@ def prepare_run_dir(recipe: Recipe, resume: bool):
 
     out = Path(recipe.output_dir)
     point = latest_checkpoint(out)
-    resolved = out / "recipe.resolved.yaml"
+    resolved = RunDir(out).resolved_recipe
     if not resume:
         if point is not None:
             raise RunDirectoryError(
                 f"{out} holds checkpoints of an earlier run (latest: trainer step {point.step}, stage {point.stage!r}); "
                 "continue it with `zrl run RECIPE --resume`, or set a fresh output_dir")
-        if (out / "metrics.jsonl").exists():
+        if RunDir(out).metrics.exists():
             raise RunDirectoryError(f"{out} holds metrics of an earlier run that saved no checkpoint; remove it or "
                                     "set a fresh output_dir")
     else:
@@ -139,7 +139,7 @@ def _reap(holder: dict) -> None:
 def claim_run_dir(out: Path) -> tuple[Path, str]:
     """Write `driver.json` with a fresh driver tag; refuse if a live zrl driver on this host holds the
     directory, and clean up after a dead one. Returns the file and the tag."""
-    file = out / DRIVER_FILE
+    file = RunDir(out).driver
     host = socket.gethostname()
     if file.is_file():
         holder = json.loads(file.read_text())

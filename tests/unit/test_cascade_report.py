@@ -2,7 +2,8 @@
 
 import json
 
-from zrl.cascade_report import REPORT_FILE, stage_summary, write_cascade_report
+from zrl.cascade_report import stage_summary, write_cascade_report
+from zrl.run_dir import REPORT_FILE
 
 
 def _run_dir(tmp_path):

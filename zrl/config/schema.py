@@ -21,6 +21,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from zrl.run_dir import RunDir
+
 OUTPUT_DIR_FIELD = "{output_dir}"  # in an environment option: the recipe's output_dir
 
 
@@ -392,7 +394,7 @@ class StageBase(Strict):
         return [e.key or e.name for e in self.environments]
 
     def self_rollouts_path(self, output_dir: str | Path, entry: str) -> Path:
-        return Path(output_dir) / "stages" / self.name / "rollouts" / f"{entry}.jsonl"
+        return RunDir(output_dir).self_rollouts(self.name, entry)
 
     @model_validator(mode="after")
     def _unique_environment_keys(self):

@@ -10,7 +10,8 @@ the stage record `stages/<name>/stage.json`: bounds, wall time, evaluation, what
 previous one (`inherited`: the length-reward frontier's sources, the curriculum keys taken over) and
 what it hands on (`handoff`). With `evaluation.every_steps` the export's held-out accuracy is also logged
 at the stage's last step (before the plot), the end of the curve the RL stage logged during training
-(zrl/pipeline/held_out.py). After the last stage, `cascade_report.html` (zrl/cascade_report.py).
+(zrl/pipeline/held_out.py). After the last stage, `cascade_report.html` (zrl/cascade_report.py). Every path of
+the run directory is named in zrl/run_dir.py.
 Rollout workers are per stage (their engine limits follow the stage's lengths) and get the trainer's
 weights before they generate. Checkpoints (torch.distributed.checkpoint, any number of ranks) go to
 `<output_dir>/checkpoints/step_XXXXXX`, with `latest.json` {stage, step, path} naming the newest complete
@@ -54,22 +55,20 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayError, RayTaskError
 
-from zrl.cascade_report import STAGE_RECORD, write_cascade_report
+from zrl.cascade_report import write_cascade_report
 from zrl.config.schema import Recipe, RLStage
 from zrl.env import registry
 from zrl.evaluate import EvalResult
 from zrl.metrics import MetricsLogger
-from zrl.pipeline.faults import reason_of, trainer_results
+from zrl.pipeline.faults import RANK_FAILURE_GRACE_S, reason_of, trainer_results
 from zrl.pipeline.held_out import held_out_metrics, held_out_requests
 from zrl.pipeline.pools import Pool, release, reserve_pools
-from zrl.pipeline.rl_stage import RANK_FAILURE_GRACE_S, RLStageRunner, StageContext
+from zrl.pipeline.rl_stage import RLStageRunner, StageContext
 from zrl.pipeline.sft_stage import run_sft_stage
 from zrl.pipeline.trainer_rank import TrainerRank
+from zrl.run_dir import RunDir
 
 log = logging.getLogger("zrl")
-
-LATEST = "latest.json"
-WANDB_ID_FILE = "wandb_run_id"
 
 
 @dataclass(frozen=True)
@@ -86,12 +85,11 @@ def latest_checkpoint(run_dir: str | Path) -> ResumePoint | None:
 
     The directory is looked up by name inside this run directory, so a moved or copied run resumes too.
     """
-    checkpoints = Path(run_dir) / "checkpoints"
-    file = checkpoints / LATEST
-    if not file.is_file():
+    layout = RunDir(run_dir)
+    if not layout.latest.is_file():
         return None
-    data = json.loads(file.read_text())
-    return ResumePoint(stage=data["stage"], step=int(data["step"]), path=checkpoints / Path(data["path"]).name)
+    data = json.loads(layout.latest.read_text())
+    return ResumePoint(stage=data["stage"], step=int(data["step"]), path=layout.checkpoints / Path(data["path"]).name)
 
 
 def stage_bounds(recipe: Recipe) -> list[tuple[int, int]]:
@@ -104,14 +102,14 @@ def stage_bounds(recipe: Recipe) -> list[tuple[int, int]]:
 
 
 def stage_finished(run_dir: str | Path, stage_name: str, last_step: int) -> bool:
-    record = Path(run_dir) / "stages" / stage_name / STAGE_RECORD
+    record = RunDir(run_dir).stage_record(stage_name)
     return record.is_file() and json.loads(record.read_text()).get("last_step") == last_step
 
 
 def rewind_run_dir(run_dir: str | Path, step: int) -> None:
     """Forget what an interrupted run recorded after trainer step `step` (see the module docstring)."""
-    run_dir = Path(run_dir)
-    metrics = run_dir / "metrics.jsonl"
+    layout = RunDir(run_dir)
+    metrics = layout.metrics
     if metrics.is_file():
         kept, dropped = [], 0
         for line in metrics.read_text().splitlines():
@@ -127,8 +125,8 @@ def rewind_run_dir(run_dir: str | Path, step: int) -> None:
         _write_atomic(metrics, "".join(f"{line}\n" for line in kept))
         log.info("resume: kept %d metric rows up to step %d, dropped %d of the interrupted run", len(kept), step,
                  dropped)
-    for path in sorted((run_dir / "checkpoints").glob("step_*")):
-        if path.is_dir() and path.name[len("step_"):].isdigit() and int(path.name[len("step_"):]) > step:
+    for saved_step, path in layout.checkpoint_steps():
+        if saved_step > step:
             shutil.rmtree(path)
             log.info("resume: removed %s (after the resume point, incomplete)", path)
 
@@ -172,6 +170,7 @@ class Cascade:
         self.recipe = recipe
         self.model_path = str(model_path)
         self.run_dir = Path(recipe.output_dir)
+        self.layout = RunDir(self.run_dir)
         self.resume = resume
         self.rollout_pool: Pool | None = None
         self.trainer_pool: Pool | None = None
@@ -234,7 +233,7 @@ class Cascade:
         if missing:
             log.warning("resume: stages %s have no stage record in %s (their HF export may be incomplete); they "
                         "cannot be redone, the cascade continues from stage %r", missing,
-                        self.run_dir / "stages", point.stage)
+                        self.layout.stages, point.stage)
         log.info("resume: checkpoint %s, trainer step %d of stage %r (steps %d-%d)", point.path, point.step,
                  point.stage, first_step + 1, last_step)
         return index
@@ -243,7 +242,7 @@ class Cascade:
         run_id = None
         wandb = self.recipe.metrics.wandb
         if wandb.enabled and wandb.mode != "disabled":
-            id_file = self.run_dir / WANDB_ID_FILE
+            id_file = self.layout.wandb_id
             if self.resume is not None and id_file.is_file():
                 run_id = id_file.read_text().strip()
             else:
@@ -251,7 +250,7 @@ class Cascade:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 id_file.write_text(run_id + "\n")
         if self.resume is not None and self.recipe.metrics.tensorboard:
-            _purge_tensorboard(self.run_dir / "tensorboard", self.resume.step + 1)
+            _purge_tensorboard(self.layout.tensorboard, self.resume.step + 1)
         return MetricsLogger(self.run_dir, self.recipe.metrics, self.recipe.name, self.recipe.model_dump(mode="json"),
                              wandb_run_id=run_id)
 
@@ -270,9 +269,9 @@ class Cascade:
 
     def _load_checkpoint(self, ranks: list, point: ResumePoint) -> dict:
         data_state = ray.get([r.load_checkpoint.remote(str(point.path)) for r in ranks])[0]
-        version = ray.get(ranks[0].version.remote())
-        if version != point.step:
-            raise RuntimeError(f"{point.path} holds trainer step {version}, latest.json says {point.step}")
+        trainer_step = ray.get(ranks[0].version.remote())  # the policy version of its weights: the same count
+        if trainer_step != point.step:
+            raise RuntimeError(f"{point.path} holds trainer step {trainer_step}, latest.json says {point.step}")
         if data_state.get("stage") != point.stage:
             raise RuntimeError(f"{point.path} holds the data state of stage {data_state.get('stage')!r}, "
                                f"latest.json says {point.stage!r}")
@@ -288,12 +287,12 @@ class Cascade:
 
         tokenizer = AutoTokenizer.from_pretrained(self.recipe.model.tokenizer_path or self.model_path)
         resume = {} if data_state is None else {"resume_step": step, "data_state": data_state}
-        return run_sft_stage(stage, ranks, tokenizer, seed=stage.seed + self.recipe.seed, first_version=first_step,
+        return run_sft_stage(stage, ranks, tokenizer, seed=stage.seed + self.recipe.seed, first_step=first_step,
                              log_metrics=self._log(stage), checkpoint=checkpoint, **resume)
 
     def _run_rl_stage(self, stage, ranks: list, first_step: int, step: int, data_state: dict | None,
                       checkpoint) -> int:
-        resume = {} if data_state is None else {"resume_version": step, "data_state": data_state}
+        resume = {} if data_state is None else {"resume_step": step, "data_state": data_state}
         ctx = StageContext(ranks=ranks, rollout_pool=self.rollout_pool, model_path=self.model_path,
                            engine_dtype=self.recipe.model.dtype, kernels=self.recipe.model.kernels,
                            token_budget=trainer_settings(self.recipe, stage).token_budget,
@@ -307,7 +306,7 @@ class Cascade:
         inherits = data_state is None
         frontier = self._frontier if inherits and stage.inherit.length_reward_state else None
         curriculum = self._curriculum if inherits and stage.inherit.curriculum else None
-        runner = RLStageRunner(stage, ctx, first_version=first_step, frontier=frontier, curriculum=curriculum, **resume)
+        runner = RLStageRunner(stage, ctx, first_step=first_step, frontier=frontier, curriculum=curriculum, **resume)
         self._inherited = runner.inherited if inherits else None
         step = runner.run()
         self._frontier, self._curriculum = runner.final_frontier, runner.final_curriculum
@@ -333,8 +332,7 @@ class Cascade:
         from zrl.plots import plot_stage_summary
 
         stage = self.recipe.stages[index]
-        stage_dir = self.run_dir / "stages" / stage.name
-        hf_dir = stage_dir / "hf"
+        hf_dir = self.layout.stage_hf(stage.name)
         ray.get([r.export_hf.remote(str(hf_dir), self.recipe.model.dtype) for r in ranks])
         rollouts = {r.entry: str(stage.self_rollouts_path(self.recipe.output_dir, r.entry)) for r in stage.self_rollouts}
         evaluation = self._evaluate_export(stage, hf_dir, rollouts)
@@ -344,7 +342,7 @@ class Cascade:
             self._log(stage)(last_step, held_out_metrics(last_step, results))
         summary = None
         if self.recipe.metrics.jsonl:
-            summary = plot_stage_summary(self.run_dir / "metrics.jsonl", index, stage_dir / "summary.png",
+            summary = plot_stage_summary(self.layout.metrics, index, self.layout.stage_summary(stage.name),
                                          title=f"{self.recipe.name} / stage {stage.name}")
         curriculum = [] if self._curriculum is None else sorted(self._curriculum["curriculum"]["schedulers"])
         record = {"stage": stage.name, "index": index, "first_step": first_step, "last_step": last_step,
@@ -354,7 +352,7 @@ class Cascade:
                   "inherited": self._inherited,
                   "handoff": {"length_reward_frontier": self._frontier or {}, "curriculum": curriculum},
                   "finished_at": time.time()}
-        _write_atomic(stage_dir / STAGE_RECORD, json.dumps(record, indent=1) + "\n")
+        _write_atomic(self.layout.stage_record(stage.name), json.dumps(record, indent=1) + "\n")
         log.info("stage %r finished at trainer step %d in %.0f s; policy exported to %s%s", stage.name, step,
                  elapsed_s, hf_dir, "" if summary is None else f", summary plot {summary}")
 
@@ -407,14 +405,14 @@ class Cascade:
 
     def _checkpointer(self, stage, ranks: list):
         def checkpoint(step: int, data_state: dict) -> None:
-            path = self.run_dir / "checkpoints" / f"step_{step:06d}"
+            path = self.layout.checkpoint(step)
             refs = [r.save_checkpoint.remote(str(path), data_state) for r in ranks]
             try:
                 ray.get(refs)
             except RayError:  # a rank died mid-save: TrainerFailed, so the run restarts from the last complete one
                 trainer_results(refs, f"the checkpoint at trainer step {step}", ray.get, timeout_s=RANK_FAILURE_GRACE_S)
                 raise
-            _write_atomic(self.run_dir / "checkpoints" / LATEST,
+            _write_atomic(self.layout.latest,
                           json.dumps({"stage": stage.name, "step": step, "path": str(path)}) + "\n")
             log.info("checkpoint: %s", path)
         return checkpoint

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("zrl")
 
+RANK_FAILURE_GRACE_S = 30.0  # after one trainer rank failed, how long the others get to return or fail
+
 
 class StageStopped(RuntimeError):
     """A stage cannot go on; str() is the one-line reason."""

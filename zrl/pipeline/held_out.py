@@ -22,6 +22,7 @@ last step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from zrl.config.schema import RLStage
@@ -88,3 +89,37 @@ class HeldOutSchedule:
 
 def summary(results: tuple[tuple[str, EvalResult], ...]) -> str:
     return ", ".join(f"{key} {result.accuracy:.3f}" for key, result in results)
+
+
+class InTrainingEvaluations:
+    """Carries out an RL stage's evaluations during training: which synced worker evaluates, and the
+    stage-end wait for those still running (their reports go to the stage's reporter)."""
+
+    def __init__(self, stage: RLStage, start_version: int, end_version: int, seed: int):
+        self.versions = HeldOutSchedule(stage.evaluation.every_steps, start_version=start_version,
+                                        end_version=end_version)
+        self.requests = in_training_requests(stage)
+        self.seed, self.stage_name, self.timeout_s = seed, stage.name, stage.asynchrony.sync_timeout_s
+
+    def after_sync(self, worker, policy_version: int):
+        """The `evaluate` call of a rollout worker (actor handle) that now holds `policy_version`, or None
+        when that version is not due."""
+        if self.requests and self.versions.due(policy_version):
+            return worker.evaluate.remote(self.requests, self.seed)
+        return None
+
+    def ended(self, pending: dict) -> Iterator[tuple]:
+        """Await the evaluations still running at the stage's end (`pending`: the stage loop's calls in
+        flight; their `EvalCall`s are taken out of it); yields (record, reference) of each as it ends in time."""
+        import ray
+
+        from zrl.pipeline.stage_calls import EvalCall
+
+        for ref in [r for r, c in pending.items() if isinstance(c, EvalCall)]:
+            call = pending.pop(ref)
+            ready, _ = ray.wait([ref], timeout=self.timeout_s, fetch_local=False)
+            if ready:
+                yield call, ref
+            else:
+                log.warning("stage %r: a held-out evaluation did not end within %g s of the stage's end; it is "
+                            "skipped", self.stage_name, self.timeout_s)

@@ -36,6 +36,12 @@ class Pool:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index),
                     **extra)
 
+    def actor(self, cls, index: int, *args, max_restarts: int = 0, **kwargs):
+        """An actor of the plain class `cls` in bundle `index`: Ray restarts it up to `max_restarts`
+        times and never retries its calls."""
+        options = self.options(index, max_restarts=max_restarts, max_task_retries=0)
+        return ray.remote(cls).options(**options).remote(*args, **kwargs)
+
 
 def one_machine() -> bool:
     """Whether the Ray cluster is a single node (the embedded default)."""

@@ -45,13 +45,13 @@ def build_examples(source: PromptSource, tokenizer, n: int, max_tokens: int):
     return examples, skipped
 
 
-def run_sft_stage(stage: SFTStage, ranks: list, tokenizer, seed: int, first_version: int, log_metrics,
+def run_sft_stage(stage: SFTStage, ranks: list, tokenizer, seed: int, first_step: int, log_metrics,
                   checkpoint=None, resume_step: int | None = None, data_state: dict | None = None) -> int:
-    """Train steps first_version+1 .. first_version+steps; returns the last. With `resume_step` and a
+    """Train steps first_step+1 .. first_step+steps; returns the last. With `resume_step` and a
     checkpoint's `data_state` (the ranks already hold its weights) it continues after `resume_step`."""
     source = PromptSource(stage.environments, seed=seed)
-    step = first_version
-    end = first_version + stage.steps
+    step = first_step
+    end = first_step + stage.steps
     if data_state is not None:
         if data_state.get("stage") != stage.name:
             raise ValueError(f"stage {stage.name!r}: the checkpoint's data state is of stage {data_state.get('stage')!r}")

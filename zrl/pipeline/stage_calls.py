@@ -2,6 +2,17 @@
 
 The loop (rl_stage.py) keeps every call it started in `pending`, keyed by its object reference, as one
 of the records below; the record says what to do when the call finishes.
+
+Data plane (the driver sees ids, counts, versions and metrics only):
+- a rollout worker `ray.put`s every finished group, and its text apart; its round report carries
+  `GroupTicket`s (ids, counts, the two references);
+- a verifier gets the text by reference (Ray resolves it in the verifier) and returns rewards;
+- the buffer gets the same reference with the verifications (`admit_verified`, not waited on: Ray
+  runs one caller's calls to an actor in order, so the next credit question sees the admission);
+- the buffer's `release` returns one object per trainer rank, each rank's `RankShare`, and the driver
+  passes rank r the reference of share r only.
+Every value the driver does fetch goes through the loop's `_fetch`, which counts rollout-array bytes in it
+(`driver/rollout_array_bytes`, expected to stay 0; `rollout_bytes_in`).
 """
 
 from __future__ import annotations
@@ -55,7 +66,7 @@ class TrainCall:
 @dataclass(frozen=True)
 class TrainerSyncCall:
     refs: tuple                 # every rank's sync_weights / export_state (keyed by rank 0's)
-    transport: str
+    transport: object           # the sync's transport (zrl.pipeline.sync_coordinator): which results to fetch
 
 
 @dataclass(frozen=True)

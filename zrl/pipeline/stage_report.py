@@ -7,16 +7,25 @@ staleness, lengths) and the buffer's (cumulative counters, means over the groups
 window); `progress_line` is the one console line per step. Rates and idle fractions are over the window
 since the previous report; `throughput/rollout_tokens_per_s` and `throughput/trainer_tokens_per_s` are
 each pool's tokens per wall-clock second of it.
+
+`StageReporter` owns the reporting window: it writes the row and the line after every step, says
+what the stage waits for while no step completes (the heartbeat), and holds a held-out evaluation's
+values until a row carries them. It gets what it reports as values (no Ray here).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from zrl.pipeline.held_out import held_out_metrics, summary
 from zrl.pipeline.schedule import StageSchedule
+
+log = logging.getLogger("zrl")
 
 
 @dataclass
@@ -36,6 +45,15 @@ class StageCounters:
     generated_array_bytes: int = 0     # rollout-array bytes the workers published
     rollouts_generated: int = 0        # window, for the canary means
     canary_sums: Counter = field(default_factory=Counter)  # window
+
+    def add_round(self, report) -> None:
+        """A rollout worker's round report (rollout_worker.RoundReport)."""
+        self.generated_tokens += report.generated_tokens
+        self.rollout_busy_s += report.busy_s
+        self.skipped_long_prompts += report.skipped_long_prompts
+        self.generated_array_bytes += report.array_bytes
+        self.canary_sums.update(report.canary_sums)
+        self.rollouts_generated += sum(t.num_rollouts for t in report.tickets)
 
     def reset_window(self) -> None:
         self.generated_tokens, self.rollout_busy_s, self.train_busy_s = 0, 0.0, 0.0
@@ -89,3 +107,77 @@ def _levels(values: dict[str, float]) -> str:
     parts = [f"{key} {values[f'curriculum/{key}/difficulty']:.0f} (crossing {values[f'curriculum/{key}/mu_mean']:.1f})"
              for key in keys[:3]]
     return f" | level {', '.join(parts)}" + (f" +{len(keys) - 3} more" if len(keys) > 3 else "") if parts else ""
+
+
+def counts_line(counts: dict[str, int], schedule: StageSchedule) -> str:
+    """The buffer's counters and the loop's faults, for a stop message."""
+    return ("buffer: " + ", ".join(f"{k} {v}" for k, v in counts.items() if v) +
+            f"; lost groups {schedule.lost_groups}, worker restarts {schedule.worker_restarts}")
+
+
+def log_ledger(stage_name: str, counts: dict[str, int], lost_groups: int) -> None:
+    """The stage's exactly-once check: every received group's prompt place once, repeats dropped."""
+    line = (f"stage {stage_name!r} prompt ledger: {counts['received']} group(s) received once, "
+            f"{counts['duplicates']} repeat(s) dropped, {lost_groups} lost with dead workers")
+    (log.warning if counts["duplicates"] else log.info)(line)
+
+
+class StageReporter:
+    def __init__(self, stage_name: str, counters: StageCounters, log_metrics, curriculum=None):
+        """`log_metrics`: callable(step, values) -> whether the row was written; `curriculum`: the
+        stage's StageCurriculum, or None."""
+        self.stage_name, self.counters, self.curriculum = stage_name, counters, curriculum
+        self.log_metrics = log_metrics
+        self.window_start = self.last_heartbeat = time.perf_counter()
+        self.eval_values: dict[str, float] = {}  # the latest evaluation's metrics, until a row carries them
+
+    def step(self, now: float, schedule: StageSchedule, trainer_metrics: dict[str, float],
+             batch_metrics: dict[str, float], buffer_metrics: dict[str, float], environment_counts: list[dict]) -> None:
+        """The row and the line of the step the trainer just finished; `now`: the window's end."""
+        values = step_metrics(self.counters, schedule, trainer_metrics, batch_metrics, buffer_metrics,
+                              now - self.window_start)
+        if self.curriculum is not None:
+            values.update(self.curriculum.metrics())
+        for counts in environment_counts:  # each worker's environments' counters
+            for key, counters in counts.items():
+                for name, value in counters.items():
+                    metric = f"env/{key}/{name}"
+                    values[metric] = values.get(metric, 0.0) + value
+        step = schedule.trainer_step
+        if self.log_metrics(step, {**values, **self.eval_values}):
+            self.eval_values = {}
+        log.info(progress_line(step, schedule.end_step, values))
+        self.window_start = now
+        self.counters.reset_window()
+
+    def heartbeat_due(self, every_s: float = 30.0) -> bool:
+        """Whether `every_s` passed without a step or a heartbeat (then the heartbeat is counted as given)."""
+        now = time.perf_counter()
+        if now - max(self.last_heartbeat, self.window_start) < every_s:
+            return False
+        self.last_heartbeat = now
+        return True
+
+    def heartbeat(self, schedule: StageSchedule, buffer_counts: dict[str, int]) -> None:
+        """While no step completes, say what the buffer sees (e.g. every group dropped as zero-signal)."""
+        log.info("waiting for step %d: %s | in flight %d group(s) | skipped %d prompt(s) longer than "
+                 "max_prompt_tokens | %s", schedule.trainer_step + 1,
+                 ", ".join(f"{k} {v}" for k, v in buffer_counts.items()), schedule.in_flight_groups(),
+                 self.counters.skipped_long_prompts, self._waiting_for(schedule))
+
+    def _waiting_for(self, schedule: StageSchedule) -> str:
+        if self.curriculum is not None and self.curriculum.calibrating:
+            return (f"calibrating the difficulty schedulers ({self.curriculum.calibration_groups} group(s) so far; "
+                    "nothing is trained until they are calibrated)")
+        return "training" if schedule.training else "buffer not ready"
+
+    def evaluated(self, report, worker: int) -> None:
+        """A held-out evaluation's report (rollout_worker's): its values go with the next row."""
+        self.eval_values = held_out_metrics(report.policy_version, report.results)
+        log.info("stage %r: held-out accuracy at policy version %d: %s (%.1f s on rollout worker %d)",
+                 self.stage_name, report.policy_version, summary(report.results), report.seconds, worker)
+
+    def flush_evaluation(self, step: int) -> None:
+        """At the stage's end: log what no row carried yet, at its last step."""
+        if self.eval_values and self.log_metrics(step, self.eval_values):
+            self.eval_values = {}

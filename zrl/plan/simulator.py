@@ -2,10 +2,10 @@
 
 The decisions are the real loop's objects, unchanged: `StageSchedule` (zrl.pipeline.schedule) decides
 rounds, training and syncs, the buffer's `BatchQueue` (zrl.buffer) queues, paces (admission credit),
-evicts and releases. This module only replaces the transport (zrl.pipeline.rl_stage): Ray calls become
-events on a clock, vLLM engines become `_Engine`s driven by the workload's decode-step model, the
-trainer a step time. It calls the schedule and the buffer in the order the transport does; answers (credit,
-release) come back at once, and verification takes no time.
+evicts and releases. This module is the schedule's second transport (the first is zrl.pipeline.rl_stage):
+the schedule's requests are carried out as events on a clock, one handler per request type, vLLM
+engines become `_Engine`s driven by the workload's decode-step model, the trainer a step time. Answers
+to the buffer's questions (credit, release) come back at once, and verification takes no time.
 
 What is modelled, and how:
 - A rollout worker runs back-to-back rounds of `round_s` (a round ends early when its engine runs
@@ -45,7 +45,9 @@ import numpy as np
 
 from zrl.buffer import BatchQueue
 from zrl.config.schema import RLStage
-from zrl.pipeline.schedule import StageSchedule
+from zrl.pipeline.schedule import (AskBatch, AskCredit, BatchAnswer, CreditAnswer, GroupAdmitted, GroupHandedOn,
+                                   LaunchRound, Request, RoundDone, StageSchedule, StartSync, StepDone, TrainerSynced,
+                                   WorkerSynced)
 from zrl.plan.workload import Workload
 
 EPS = 1e-9
@@ -53,7 +55,7 @@ EPS = 1e-9
 
 @dataclass(slots=True)
 class _Group:
-    version: int              # the policy version of every token (its engine's when it started)
+    policy_version: int       # of every token (its engine's when it started)
     lengths: np.ndarray       # [G] response tokens
     tokens: int               # their sum
 
@@ -77,7 +79,7 @@ class _Engine:
         self.paused: tuple[float, float] | None = None  # (when, chain_start) of the last round end
         self.accounted_to = 0.0               # busy time is counted up to here
         self.busy_s = 0.0                     # seconds with running sequences
-        self.version = 0                      # the policy version its weights hold
+        self.policy_version = 0               # of the weights it holds
         self.draws = 0                        # prompt draws made (group ids)
         self.groups_in_engine = 0
         self.event = 0                        # token of its live round-end event
@@ -208,7 +210,7 @@ class _Simulation:
         self.workload, self.steps = workload, steps
         self.group_size = s.group_size
         self.rng = np.random.default_rng(seed)
-        self.schedule = schedule_class(num_workers=rollout_workers, policy_version=0, end_version=steps,
+        self.schedule = schedule_class(num_workers=rollout_workers, trainer_step=0, end_step=steps,
                                       prompts_per_batch=s.prompts_per_batch, sync_every_steps=a.sync_every_steps,
                                       synchronous=a.max_staleness_steps == 0)
         self.queue = BatchQueue(a, s.prompts_per_batch)
@@ -221,7 +223,7 @@ class _Simulation:
         self._seq = 0
         self.trainer_free = 0.0
         self.release_t = 0.0
-        self.sync_version: int | None = None
+        self.sync_version: int | None = None   # the policy version the pending sync sends
         self.syncs = 0
         self.rows: list[StepRow] = []
         self.window_start = 0.0
@@ -251,11 +253,11 @@ class _Simulation:
 
     def run(self) -> PlanResult:
         s = self.schedule
-        self._start_sync(0.0)
         t = 0.0
+        self._carry_out(s.start(), t)
         while not s.done:
             if not self.events:
-                raise RuntimeError(f"the simulated stage stalled at step {s.policy_version} (t={t:.1f} s): "
+                raise RuntimeError(f"the simulated stage stalled at step {s.trainer_step} (t={t:.1f} s): "
                                    f"{self._counts()}, in flight {s.in_flight_groups()}")
             t, _, kind, w, token = heapq.heappop(self.events)
             if kind == "round":
@@ -272,24 +274,23 @@ class _Simulation:
 
     # ------------------------------------------------------------------ rounds
 
-    def _launch(self, launches: list[tuple[int, int]], t: float) -> None:
-        g, lengths = self.group_size, self.workload.lengths
-        for w, new in launches:
-            e = self.engines[w]
-            if new:
-                first = self.groups_started
-                all_lengths = lengths.sample(self.rng, new * g).reshape(new, g)
-                for i, tokens in enumerate(all_lengths.sum(axis=1).tolist()):
-                    self.groups[first + i] = _Group(e.version, all_lengths[i], tokens)
-                self.groups_started += new
-                e.draws += 1
-                e.groups_in_engine += new
-                e.add(all_lengths, self.workload.prompt_tokens, first)
-            self.peak_kv = max(self.peak_kv, e.kv_tokens())
-            if new or not e.resume(t):
-                e.start_chain(t, self.workload)
-            e.event_time = math.inf
-            self._schedule_chain(w)
+    def _launch(self, request: LaunchRound, t: float) -> None:
+        w, new = request.worker, request.new_groups
+        e = self.engines[w]
+        if new:
+            first = self.groups_started
+            all_lengths = self.workload.lengths.sample(self.rng, new * self.group_size).reshape(new, self.group_size)
+            for i, tokens in enumerate(all_lengths.sum(axis=1).tolist()):
+                self.groups[first + i] = _Group(e.policy_version, all_lengths[i], tokens)
+            self.groups_started += new
+            e.draws += 1
+            e.groups_in_engine += new
+            e.add(all_lengths, self.workload.prompt_tokens, first)
+        self.peak_kv = max(self.peak_kv, e.kv_tokens())
+        if new or not e.resume(t):
+            e.start_chain(t, self.workload)
+        e.event_time = math.inf
+        self._schedule_chain(w)
 
     def _schedule_chain(self, w: int) -> None:
         """The first round end after one of the engine's groups finished (or when it runs empty)."""
@@ -305,12 +306,11 @@ class _Simulation:
         e.count_busy(t)
         finished = [self.groups.pop(index) for index in e.advance(t)]
         e.groups_in_engine -= len(finished)
-        s.round_done(w, len(finished), e.groups_in_engine, e.version)
-        s.progressed()
+        s.take(RoundDone(w, len(finished), e.groups_in_engine, e.policy_version))
         for group in finished:
-            s.group_handed_on()
+            s.take(GroupHandedOn())
             self._admit(group)
-            s.progressed()
+            s.take(GroupAdmitted())
         if s.workers[w].syncing and e.sync_ready is None:
             e.sync_ready = t
             self._maybe_sync_ready()
@@ -322,7 +322,7 @@ class _Simulation:
         if self.rng.random() < self.workload.zero_signal_fraction and self.dynamic_sampling:
             self.dropped += 1
         else:
-            self.queue.push(group, group.version)
+            self.queue.push(group, group.policy_version)
 
     def _wake_for_credit(self, t: float) -> None:
         """Credit the buffer would give now is taken at the earliest round end of a running worker
@@ -338,42 +338,34 @@ class _Simulation:
             when, w = min(candidates)
             self._round_end_at(w, when)
 
-    # ------------------------------------------------------------------ the loop's start_work
+    # ------------------------------------------------------------------ the schedule's requests
 
     def _start_work(self, t: float) -> None:
-        """rl_stage's `_start_work` until it asks nothing more: both questions are asked before either
-        answer is read (credit first: the buffer actor answers one caller's calls in order)."""
-        s = self.schedule
-        while True:
-            launches, ask_credit = [], False
-            if s.paused:
-                launches = s.plan_rounds(None)
-                self._launch(launches, t)
-            elif s.wants_credit():
-                s.credit_requested = ask_credit = True
-            ask_batch = s.wants_batch()
-            if ask_batch:
-                s.batch_requested = True
-            if ask_credit:
-                self._launch(s.plan_rounds(self.queue.admission_credit(s.in_flight_groups(),
-                                                                       s.generating_version())), t)
-            if ask_batch:
-                self._release(t)
-            if not (launches or ask_credit or ask_batch):
-                return
+        """Carry out the schedule's requests until it makes none (the questions in the order asked: the
+        buffer actor answers one caller's calls in order)."""
+        while requests := self.schedule.next_requests():
+            self._carry_out(requests, t)
+
+    def _carry_out(self, requests: list[Request], t: float) -> None:
+        for request in requests:
+            self.HANDLERS[type(request)](self, request, t)
+
+    def _ask_credit(self, request: AskCredit, t: float) -> None:
+        credit = self.queue.admission_credit(request.in_flight_groups, request.generating_version)
+        self._carry_out(self.schedule.take(CreditAnswer(credit)), t)
 
     # ------------------------------------------------------------------ training and sync
 
-    def _release(self, t: float) -> None:
+    def _release(self, request: AskBatch, t: float) -> None:
         s = self.schedule
-        step = s.policy_version
+        step = request.trainer_step
         groups = self.queue.take(step)
-        s.batch_answer(groups is not None)
+        s.take(BatchAnswer(groups is not None))
         if groups is None:
             return
         response_tokens = 0
         for group in groups:
-            staleness = step - group.version
+            staleness = step - group.policy_version
             self.staleness_tokens[staleness] = self.staleness_tokens.get(staleness, 0.0) + group.tokens
             self.staleness_rollouts[staleness] += self.group_size
             response_tokens += group.tokens
@@ -381,28 +373,26 @@ class _Simulation:
         start = max(t, self.trainer_free)
         response = np.concatenate([group.lengths for group in groups])  # [N_seq]
         self.trainer_free = start + self.workload.trainer.step_s(response + self.workload.prompt_tokens)
-        self.last_batch = (step - min(group.version for group in groups), response_tokens)
+        self.last_batch = (step - min(group.policy_version for group in groups), response_tokens)
         self._push(self.trainer_free, "trained")
 
     def _on_trained(self, t: float) -> None:
         s = self.schedule
-        sync_due = s.step_done()
-        self.queue.set_trainer_step(s.policy_version)
-        if sync_due:
-            self._start_sync(t)
+        requests = s.take(StepDone())
+        self.queue.set_trainer_step(s.trainer_step)
+        self._carry_out(requests, t)
         for e in self.engines:
             e.count_busy(t)
         total_busy = sum(e.busy_s for e in self.engines)
         busy, self.busy_before = total_busy - self.busy_before, total_busy
         window = max(t - self.window_start, EPS)
-        self.rows.append(StepRow(s.policy_version, t, max(0.0, 1 - busy / (window * len(self.engines))),
+        self.rows.append(StepRow(s.trainer_step, t, max(0.0, 1 - busy / (window * len(self.engines))),
                                  max(0.0, 1 - (t - self.release_t) / window), *self.last_batch))
         self.window_start = t
 
-    def _start_sync(self, t: float) -> None:
+    def _start_sync(self, request: StartSync, t: float) -> None:
         s = self.schedule
-        s.sync_started()
-        self.sync_version = s.policy_version
+        self.sync_version = request.policy_version
         self.sync_trainer_ready = max(t, self.trainer_free)
         for w, e in enumerate(self.engines):
             if s.workers[w].in_round:
@@ -423,12 +413,14 @@ class _Simulation:
 
     def _on_synced(self, t: float) -> None:
         s = self.schedule
-        s.trainer_synced()
+        s.take(TrainerSynced())
         for w, e in enumerate(self.engines):
-            e.version = self.sync_version
+            e.policy_version = self.sync_version
             e.sync_ready = None
-            s.worker_synced(w, self.sync_version)
+            s.take(WorkerSynced(w, self.sync_version))
         self.syncs += 1
+
+    HANDLERS = {AskCredit: _ask_credit, LaunchRound: _launch, AskBatch: _release, StartSync: _start_sync}
 
     # ------------------------------------------------------------------ result
 

@@ -8,13 +8,13 @@ from zrl.pipeline.stage_report import StageCounters, progress_line, step_metrics
 
 
 def values(**extra):
-    schedule = StageSchedule(num_workers=1, policy_version=3, end_version=6, prompts_per_batch=2,
+    schedule = StageSchedule(num_workers=1, trainer_step=3, end_step=6, prompts_per_batch=2,
                              sync_every_steps=2, synchronous=False)
     return step_metrics(StageCounters(), schedule, {"loss/policy": 0.5}, {}, extra, window_s=2.0)
 
 
 def test_the_row_holds_the_trained_batch_the_buffer_and_each_pools_throughput():
-    schedule = StageSchedule(num_workers=1, policy_version=3, end_version=6, prompts_per_batch=2,
+    schedule = StageSchedule(num_workers=1, trainer_step=3, end_step=6, prompts_per_batch=2,
                              sync_every_steps=2, synchronous=False)
     counters = StageCounters(generated_tokens=300)
     row = step_metrics(counters, schedule, {"batch/input_tokens": 500.0}, {"reward/mean": 0.5, "staleness/max": 1.0},
@@ -56,3 +56,27 @@ def test_the_sampling_seed_offsets_every_workers_streams():
     assert worker_seeds(10, 0, 1) == (11, 10001)  # no offset: the stage's own streams
     assert worker_seeds(10, 5, 1) == (16, 15001)
     assert len({worker_seeds(10, 0, w) for w in range(4)}) == 4  # workers differ
+
+
+def test_an_evaluation_goes_with_the_next_row_and_what_no_row_carried_is_logged_at_the_end():
+    import time
+    from types import SimpleNamespace
+
+    from zrl.pipeline.stage_report import StageReporter
+
+    rows = []
+    reporter = StageReporter("s", StageCounters(), lambda step, values: rows.append((step, values)) or True)
+    schedule = StageSchedule(num_workers=2, trainer_step=3, end_step=6, prompts_per_batch=2,
+                             sync_every_steps=2, synchronous=False)
+    report = SimpleNamespace(policy_version=2, seconds=1.0,
+                             results=(("e", SimpleNamespace(accuracy=0.5, mean_response_tokens=10.0)),))
+    reporter.evaluated(report, worker=0)
+    reporter.step(time.perf_counter(), schedule, {}, {}, {}, [{"e": {"timeouts": 1.0}}, {"e": {"timeouts": 2.0}}])
+    step, row = rows[0]
+    assert step == 3 and row["eval/e/accuracy"] == 0.5 and row["eval/policy_version"] == 2.0
+    assert row["env/e/timeouts"] == 3.0  # summed over the workers
+    reporter.flush_evaluation(3)
+    assert len(rows) == 1  # the row carried it
+    reporter.evaluated(report, worker=1)
+    reporter.flush_evaluation(4)
+    assert rows[1] == (4, {"eval/policy_version": 2.0, "eval/e/accuracy": 0.5, "eval/e/response_tokens_mean": 10.0})

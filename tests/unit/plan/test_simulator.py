@@ -24,20 +24,16 @@ def workload(trainer_tokens_per_s=2000.0, sync_s=0.2, zero_signal=0.1) -> Worklo
 class RecordingSchedule(StageSchedule):
     calls: list[str] = []
 
-    def plan_rounds(self, credit):
-        RecordingSchedule.calls.append("plan_rounds")
-        return super().plan_rounds(credit)
-
-    def step_done(self):
-        RecordingSchedule.calls.append("step_done")
-        return super().step_done()
+    def take(self, answer):
+        RecordingSchedule.calls.append(type(answer).__name__)
+        return super().take(answer)
 
 
 def test_drives_the_loops_schedule_and_buffer():
     RecordingSchedule.calls = []
     result = simulate(small_stage(), workload(), 2, steps=10, schedule_class=RecordingSchedule)
-    assert RecordingSchedule.calls.count("step_done") == 10
-    assert "plan_rounds" in RecordingSchedule.calls
+    assert RecordingSchedule.calls.count("StepDone") == 10
+    assert "CreditAnswer" in RecordingSchedule.calls
     assert result.buffer_counts["released_batches"] == 10  # the BatchQueue's own counter
 
 
