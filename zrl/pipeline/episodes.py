@@ -70,11 +70,12 @@ class _Open:
 
 
 class EpisodeRunner:
-    def __init__(self, engine, sampling, render_reply: Callable[[Sequence[dict]], list[int]], *,
+    def __init__(self, engine, sampling, render_reply: Callable[[Sequence[dict], int | None], list[int]], *,
                  max_turns: int, max_response_tokens: int) -> None:
         """`sampling`: a serving.engine.SamplingConfig for every policy turn (its max_tokens caps one turn);
-        `render_reply(messages)`: the token ids that append the environment's messages to the conversation
-        and open the policy's next turn (the chat template's continuation)."""
+        `render_reply(messages, last_token)`: the token ids that append the environment's messages to the
+        conversation after a policy message ending in `last_token` and open the policy's next turn
+        (zrl.env.chat.ChatContinuation.reply_ids)."""
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.engine = engine
@@ -128,7 +129,7 @@ class EpisodeRunner:
             return self._end(state, "done")
         if state.turns >= self.max_turns:
             return self._end(state, "max_turns")
-        reply = list(self.render_reply(turn.messages))
+        reply = list(self.render_reply(turn.messages, state.tokens[-1] if state.tokens else None))
         if len(state.tokens) + len(reply) >= self.max_response_tokens:
             return self._end(state, "response_budget")
         state.tokens += reply

@@ -76,7 +76,7 @@ def reply(n, content="tool says hi"):
     return Turn(messages=({"role": "tool", "content": content * n},))
 
 
-def render(messages):
+def render(messages, last_token=None):
     """Stand-in chat continuation: one token (7) per character group of 12, at least one."""
     return [7] * max(1, sum(len(m["content"]) for m in messages) // 12)
 
