@@ -20,6 +20,8 @@ from pathlib import Path
 
 from zrl.config.schema import EnvironmentSpec, RewardModelSpec
 from zrl.env import safe_verify, safe_verify_group, verifies_groups
+from zrl.env.episode import EpisodicEnvironment
+from zrl.pipeline.episodes import episode_verification, run_episodes
 from zrl.prompts import build_environment
 from zrl.types import Split
 
@@ -96,9 +98,14 @@ def evaluate_requests(checkpoint: str | Path, requests: list[EvalRequest], seed:
     max_model_len = max(max(map(len, batch), default=0) + r.max_response_tokens for batch, r in zip(ids, requests))
     engine = RolloutEngine(checkpoint, dtype=dtype, max_model_len=max_model_len, seed=seed)
     try:
-        outputs = [engine.generate(batch, r.samples_per_prompt,
-                                   SamplingConfig(max_tokens=r.max_response_tokens, temperature=r.temperature, seed=seed))
-                   if batch else [] for batch, r in zip(ids, requests)]
+        outputs = []
+        for env, batch, ids_, r in zip(envs, prompts, ids, requests):
+            sampling = SamplingConfig(max_tokens=r.max_response_tokens, temperature=r.temperature, seed=seed)
+            if isinstance(env, EpisodicEnvironment):
+                outputs.append(run_episodes(engine, env, batch, ids_, r.samples_per_prompt, sampling,
+                                            r.max_response_tokens))
+            else:
+                outputs.append(engine.generate(ids_, r.samples_per_prompt, sampling) if ids_ else [])
     finally:
         engine.close()
     return [score(str(checkpoint), env, r, batch, out, n_skipped)
@@ -106,15 +113,21 @@ def evaluate_requests(checkpoint: str | Path, requests: list[EvalRequest], seed:
 
 
 def score(checkpoint: str, env, request: EvalRequest, prompts, outputs, skipped: int) -> EvalResult:
-    """The EvalResult of `outputs` (per prompt, the engine's samples) on `env`'s verifier; `checkpoint` names
-    what was evaluated (a path, or a policy version during a stage)."""
+    """The EvalResult of `outputs` (per prompt, the engine's samples, or the episodes of a multi-turn
+    environment, which scored them as they ran) on `env`'s verifier; `checkpoint` names what was evaluated
+    (a path, or a policy version during a stage)."""
     verifications, lengths, rows = [], [], []
     for prompt, samples in zip(prompts, outputs):
-        texts = [sample.text for sample in samples]
-        group = safe_verify_group(env, prompt, texts) if verifies_groups(env) else [safe_verify(env, prompt, text)
-                                                                                   for text in texts]
+        if isinstance(env, EpisodicEnvironment):
+            texts = [episode.rollout.text for episode in samples]
+            group = [episode_verification(episode) for episode in samples]
+            lengths += [episode.rollout.num_policy_tokens for episode in samples]
+        else:
+            texts = [sample.text for sample in samples]
+            group = safe_verify_group(env, prompt, texts) if verifies_groups(env) else [
+                safe_verify(env, prompt, text) for text in texts]
+            lengths += [len(sample.token_ids) for sample in samples]
         verifications += group
-        lengths += [len(sample.token_ids) for sample in samples]
         rows.append({"prompt": dataclasses.asdict(prompt), "responses": texts, "rewards": [v.reward for v in group]})
     if request.save_rollouts is not None:
         path = Path(request.save_rollouts)

@@ -113,7 +113,10 @@ def batch_metrics(batch: TrainBatch, max_staleness_steps: int) -> dict[str, floa
       the fraction of its rollouts whose verification gave that `reason` (metadata);
     - `staleness/mean|max` (trainer steps) and `staleness/<k>`: rollouts of staleness k, k = 0..bound;
     - `lengths/response_mean|p50|p90|max` (tokens) and `lengths/truncated_frac`: the fraction of
-      responses that hit max_response_tokens (finish reason "length").
+      responses that hit max_response_tokens (finish reason "length");
+    - multi-turn episodes (zrl.pipeline.episodes.episode_verification): `episodes/turns_mean` (policy
+      messages), `episodes/tool_calls_mean`, `episodes/used_tools_frac` (episodes with a tool call),
+      `episodes/tool_error_frac` (failed calls over calls); their end reasons are the `verify/` reasons.
     """
     rollouts = batch.rollouts()
     task = np.concatenate([g.task_rewards() for g in batch.groups])       # [N]
@@ -137,4 +140,11 @@ def batch_metrics(batch: TrainBatch, max_staleness_steps: int) -> dict[str, floa
     sizes = {key: sum(len(p) for p in parts) for key, parts in entries.items()}
     out.update({f"reward/{key}": float(np.concatenate(parts).mean()) for key, parts in sorted(entries.items())})
     out.update({f"verify/{key}/{reason}": n / sizes[key] for (key, reason), n in sorted(reasons.items())})
+    episodes = [v.metadata for group in batch.groups for v in group.verifications if "turns" in v.metadata]
+    if episodes:
+        calls = sum(e["tool_calls"] for e in episodes)
+        out.update({"episodes/turns_mean": float(np.mean([e["turns"] for e in episodes])),
+                    "episodes/tool_calls_mean": calls / len(episodes),
+                    "episodes/used_tools_frac": float(np.mean([e["tool_calls"] > 0 for e in episodes])),
+                    "episodes/tool_error_frac": sum(e["tool_errors"] for e in episodes) / calls if calls else 0.0})
     return out

@@ -86,3 +86,24 @@ def test_the_buffer_histogram_is_cumulative_and_named_so(released):
     assert (window2["staleness/cumulative_0"], window2["staleness/cumulative_1"]) == (4, 12)
     assert window2["staleness/cumulative_mean"] == 12 / 16 and window2["staleness/cumulative_max"] == 1
     assert not {"staleness/mean", "staleness/max", "staleness/0"} & set(window2)
+
+
+def test_episode_metrics_come_from_the_episodes_of_the_batch():
+    def episode(reward, turns, calls, errors, reason):
+        return Verification(float(reward), metadata={"reason": reason, "turns": turns, "tool_calls": calls,
+                                                     "tool_errors": errors, "used_tools": float(calls > 0)})
+
+    buf = buffer()
+    g = group("e1", [1, 0, 1, 0], version=0, env="tools")
+    episodes = [episode(1, 2, 1, 0, "done"), episode(0, 3, 3, 1, "max_turns"), episode(1, 1, 0, 0, "done"),
+                episode(0, 2, 2, 2, "done")]
+    buf.admit(type(g)(g.group_id, g.prompt, list(g.rollouts), episodes))
+    buf.admit(group("g2", [1, 1, 0, 0], version=0))   # a single-turn group: not an episode
+    step = buf.release(1, 1, 64)[0].metrics
+    assert step["episodes/turns_mean"] == 2.0 and step["episodes/tool_calls_mean"] == 1.5
+    assert step["episodes/used_tools_frac"] == 0.75 and step["episodes/tool_error_frac"] == 3 / 6
+    assert step["verify/tools/done"] == 0.75 and step["verify/tools/max_turns"] == 0.25
+
+
+def test_a_batch_without_episodes_has_no_episode_metrics(released):
+    assert not any(key.startswith("episodes/") for key in released[0])

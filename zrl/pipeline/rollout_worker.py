@@ -27,6 +27,12 @@ Weight sync: `join_sync` makes the worker a receiver of the trainer's sync group
 takes one streamed sync and loads it in place as it arrives (zrl.pipeline.weight_sync).
 `update_weights` is the fallback that loads a whole state dict (or a reference to one).
 
+Multi-turn environments (zrl.env.episode.EpisodicEnvironment): each of a group's G samples is an episode
+that the worker's `EpisodeRunner` (zrl/pipeline/episodes.py) drives on the same engine, beside the
+single-turn groups; its turns batch with everything else, its environment steps run on the runner's
+threads. The group is reported when its G episodes ended; the episodes' own rewards travel in its
+`GroupText` (`verifications`), so the verifier does not score them again.
+
 Invariants: a group is reported once, complete (all G samples); draws are submitted in stream order,
 and the reported state counts only submitted draws (a restarted worker draws pending ones again: they
 never made a group); `in_flight_groups` includes groups still being drawn; prompts longer than
@@ -46,10 +52,13 @@ import numpy as np
 
 from zrl.canaries import gibberish_fraction, rare_token_fractions
 from zrl.config.schema import RLStage
+from zrl.env.chat import ChatContinuation
+from zrl.env.episode import EpisodicEnvironment
+from zrl.pipeline.episodes import EpisodeOutput, EpisodeRunner, episode_verification
 from zrl.moepp.config import MoEPPConfig
 from zrl.pipeline.weight_sync import HostPeakMemory, SyncAddress, SyncGroup, drain
 from zrl.prompts import Assignment, PromptSource, build_entries
-from zrl.types import Prompt, Rollout, rollout_array_bytes, stream_group_id
+from zrl.types import Prompt, Rollout, Verification, rollout_array_bytes, stream_group_id
 
 
 @dataclass(frozen=True)
@@ -59,14 +68,17 @@ class GeneratedGroup:
     group_id: str
     prompt: Prompt
     rollouts: tuple[Rollout, ...]
+    verifications: tuple[Verification, ...] | None = None  # episodes' own rewards (a multi-turn environment)
 
 
 @dataclass(frozen=True)
 class GroupText:
-    """What a verifier reads of a group: the prompt and the decoded responses, no arrays."""
+    """What a verifier reads of a group: the prompt and the decoded responses, no arrays; a multi-turn
+    group's episodes were scored by their environment as they ran (`verifications`, one per response)."""
 
     prompt: Prompt
     texts: tuple[str, ...]
+    verifications: tuple[Verification, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -126,10 +138,11 @@ class _Draw:
 
 @dataclass
 class _Open:
-    group_id: str
+    group_id: str | tuple        # a stream group id; ("eval", request, prompt) for an evaluation's prompt
     prompt: Prompt
-    level: tuple[str, int] | None
-    samples: list = field(default_factory=list)
+    size: int                    # samples
+    level: tuple[str, int] | None = None
+    samples: dict = field(default_factory=dict)  # sample index -> the engine's SampleOutput or an EpisodeOutput
 
 
 class RolloutWorker:
@@ -159,7 +172,12 @@ class RolloutWorker:
         self.vocab_size = MoEPPConfig.from_pretrained_dir(model_path).vocab_size
         self.rare_bands = tuple(stage.algorithm.canaries.rare_token_bands)
         self._rng = np.random.default_rng(stream_seed)
-        self._open: dict[int, _Open] = {}
+        self._open: dict[str | tuple, _Open] = {}      # group id -> its samples so far
+        self._evaluated: dict[tuple, list] = {}         # an evaluation's finished prompts -> their samples
+        self._envs = {e.key: e.env for e in self.source.entries}
+        self._engine_groups: dict[int, str] = {}        # engine group id of a single-turn group -> stream group id
+        self._episodes = (EpisodeRunner(self.engine, ChatContinuation(self.engine.tokenizer).reply_ids)
+                          if any(isinstance(e.env, EpisodicEnvironment) for e in self.source.entries) else None)
         self._finished: list[tuple[GeneratedGroup, tuple[str, int] | None]] = []  # closed, not yet reported
         self._reported_in_flight_tokens = 0  # tokens of unfinished samples the last report counted
         self._eval_envs: dict | None = None  # the entries' environments for held-out evaluation
@@ -180,6 +198,9 @@ class RolloutWorker:
         skipped = self._submit_drawn()  # levels of the prompts skipped as too long (None: not adaptive)
         while (now := time.perf_counter()) < deadline:
             if not self.engine.has_unfinished():
+                if self._episodes is not None and self._episodes.stepping:
+                    self._take_episodes(timeout=deadline - now)  # nothing to decode until an environment replies
+                    continue
                 if not self._drawing:
                     break
                 wait([self._drawing[0].result], timeout=deadline - now)  # nothing to decode until it is drawn
@@ -188,14 +209,16 @@ class RolloutWorker:
             for sample in self.engine.step():
                 self._take(sample)
             busy += time.perf_counter() - now
+            self._take_episodes()
             skipped += self._submit_drawn()
         finished, self._finished = self._finished, []
         in_flight_tokens = self._in_flight_tokens()
-        generated = (sum(len(r.token_ids) for g, _ in finished for r in g.rollouts) + in_flight_tokens
+        generated = (sum(r.num_policy_tokens for g, _ in finished for r in g.rollouts) + in_flight_tokens
                      - self._reported_in_flight_tokens)
         self._reported_in_flight_tokens = in_flight_tokens
         tickets = [GroupTicket(g.group_id, len(g.rollouts), self.publish(g),
-                               self.publish(GroupText(g.prompt, tuple(r.text for r in g.rollouts))), level)
+                               self.publish(GroupText(g.prompt, tuple(r.text for r in g.rollouts), g.verifications)),
+                               level)
                    for g, level in finished]
         in_flight = len(self._open) + sum(d.groups for d in self._drawing)
         return RoundReport(tickets=tickets, in_flight_groups=in_flight, generated_tokens=generated,
@@ -215,29 +238,28 @@ class RolloutWorker:
         if self._eval_envs is None:  # instances of its own: the draw thread samples the training ones
             envs = [e.env for e in build_entries(self.stage.environments)]
             self._eval_envs = dict(zip(self.stage.entry_keys(), envs))  # the requests' keys (the recipe's)
-        slots: dict[int, tuple[int, int]] = {}  # engine group -> (request, prompt)
-        jobs = []                                # per request: (prompts kept, their samples, prompts skipped)
+        jobs = []                                # per request: (prompts kept, prompts skipped)
         for i, (key, r) in enumerate(requests):
-            prompts = self._eval_envs[key].sample(r.num_prompts, seed=seed, split=r.split)
+            env = self._eval_envs[key]
+            prompts = env.sample(r.num_prompts, seed=seed, split=r.split)
             encoded = [self._encode(p) for p in prompts]
             kept = [(p, ids) for p, ids in zip(prompts, encoded)
                     if r.max_prompt_tokens is None or len(ids) <= r.max_prompt_tokens]
             sampling = SamplingConfig(max_tokens=r.max_response_tokens, temperature=r.temperature, seed=seed)
             n = r.samples_per_prompt
-            for j, (_, ids) in enumerate(kept):  # the seeds RolloutEngine.generate gives the stage-end evaluation
-                slots[self.engine.submit(ids, n, sampling, seed=seed + j * n)] = (i, j)
-            jobs.append(([p for p, _ in kept], [[None] * n for _ in kept], len(prompts) - len(kept)))
-        left = sum(r.samples_per_prompt * len(job[0]) for (_, r), job in zip(requests, jobs))
-        while left:
-            for sample in self.engine.step():
-                if sample.group_id not in slots:
-                    self._take(sample)  # a round's sample
-                    continue
-                i, j = slots[sample.group_id]
-                jobs[i][1][j][sample.sample_index] = sample.output
-                left -= 1
-        results = tuple((key, score(f"policy version {version}", self._eval_envs[key], r, prompts, outputs, skipped))
-                        for (key, r), (prompts, outputs, skipped) in zip(requests, jobs))
+            for j, (prompt, ids) in enumerate(kept):  # the seeds RolloutEngine.generate gives the stage-end evaluation
+                self._open[("eval", i, j)] = _Open(("eval", i, j), prompt, n)
+                self._start_samples(("eval", i, j), env, ids, n, sampling, seed + j * n,
+                                    r.max_response_tokens)
+            jobs.append(([p for p, _ in kept], len(prompts) - len(kept)))
+        groups = sum(len(prompts) for prompts, _ in jobs)
+        while len(self._evaluated) < groups:  # a round's samples finishing meanwhile are reported next round
+            for sample in self.engine.step() if self.engine.has_unfinished() else ():
+                self._take(sample)
+            self._take_episodes(timeout=0.0 if self.engine.has_unfinished() else None)
+        outputs = [[self._evaluated.pop(("eval", i, j)) for j in range(len(prompts))] for i, (prompts, _) in enumerate(jobs)]
+        results = tuple((key, score(f"policy version {version}", self._eval_envs[key], r, prompts, out, skipped))
+                        for (key, r), (prompts, skipped), out in zip(requests, jobs, outputs))
         return HeldOutReport(version, results, time.perf_counter() - start)
 
     def _token_canaries(self, groups: list[GeneratedGroup]) -> dict[str, float]:
@@ -303,6 +325,8 @@ class RolloutWorker:
 
     def close(self) -> None:
         self._drawer.shutdown(wait=False, cancel_futures=True)
+        if self._episodes is not None:
+            self._episodes.close()
         self.leave_sync()
         self.engine.close()
 
@@ -325,11 +349,24 @@ class RolloutWorker:
                     skipped.append(level)
                     continue
                 seed = int(self._rng.integers(2**31))
-                group = self.engine.submit(ids, self.group_size, self.sampling, seed=seed)
-                self._open[group] = _Open(stream_group_id(self.worker_index, draw.index, position, prompt.prompt_id),
-                                          prompt, level)
+                group = _Open(stream_group_id(self.worker_index, draw.index, position, prompt.prompt_id), prompt,
+                              self.group_size, level)
+                self._open[group.group_id] = group
+                self._start_samples(group.group_id, self._envs[prompt.env], ids, self.group_size, self.sampling, seed,
+                                    self.stage.sampling.max_response_tokens)
             self._drawing.popleft()
         return skipped
+
+    def _start_samples(self, group_id, env, ids: list[int], n: int, sampling, seed: int, max_response_tokens: int):
+        """`n` samples of the open group `group_id` on `env`, sample i seeded `seed + i`: one engine group, or
+        `n` episodes of a multi-turn environment (each ends within `max_response_tokens` response tokens)."""
+        if not isinstance(env, EpisodicEnvironment):
+            self._engine_groups[self.engine.submit(ids, n, sampling, seed=seed)] = group_id
+            return
+        prompt = self._open[group_id].prompt
+        for i in range(n):
+            self._episodes.start(env.episode(prompt), ids, sampling, max_turns=env.max_turns,
+                                 max_response_tokens=max_response_tokens, seed=seed + i, key=(group_id, i))
 
     def _encode(self, prompt: Prompt) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -337,20 +374,44 @@ class RolloutWorker:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _take(self, sample) -> None:
-        """A finished sample of a round's group; the group closes when all G samples are in."""
-        group = self._open[sample.group_id]
-        group.samples.append(sample)
-        if len(group.samples) == self.group_size:
-            self._finished.append(self._close(sample.group_id))
+        """A finished engine sample: a turn of an episode, or a sample of a round's single-turn group."""
+        if self._episodes is not None and self._episodes.owns(sample.group_id):
+            self._episodes.on_sample(sample)
+            return
+        group_id = self._engine_groups[sample.group_id]
+        self._add(group_id, sample.sample_index, sample.output)
+        if group_id not in self._open:
+            del self._engine_groups[sample.group_id]
 
-    def _close(self, engine_group: int) -> tuple[GeneratedGroup, tuple[str, int] | None]:
-        group = self._open.pop(engine_group)
-        samples = sorted(group.samples, key=lambda s: s.sample_index)
-        rollouts = tuple(_to_rollout(s.output) for s in samples)
-        return GeneratedGroup(group_id=group.group_id, prompt=group.prompt, rollouts=rollouts), group.level
+    def _take_episodes(self, timeout: float = 0.0) -> None:
+        if self._episodes is not None:
+            for out in self._episodes.poll(timeout):
+                self._add(*out.key, out)
+
+    def _add(self, group_id, index: int, output) -> None:
+        """A finished sample (SampleOutput or EpisodeOutput) of a group; the group closes when all G are in."""
+        group = self._open[group_id]
+        group.samples[index] = output
+        if len(group.samples) < group.size:
+            return
+        if isinstance(group_id, tuple):  # an evaluation's prompt
+            del self._open[group_id]
+            self._evaluated[group_id] = [group.samples[i] for i in range(group.size)]
+        else:
+            self._finished.append(self._close(group_id))
+
+    def _close(self, group_id: str) -> tuple[GeneratedGroup, tuple[str, int] | None]:
+        group = self._open.pop(group_id)
+        samples = [group.samples[i] for i in range(len(group.samples))]
+        episodic = isinstance(samples[0], EpisodeOutput)
+        rollouts = tuple(s.rollout if episodic else _to_rollout(s) for s in samples)
+        verifications = tuple(episode_verification(s) for s in samples) if episodic else None
+        return GeneratedGroup(group.group_id, group.prompt, rollouts, verifications), group.level
 
     def _in_flight_tokens(self) -> int:
-        return sum(self.engine.in_flight().values())
+        """Policy tokens sampled so far of the samples not yet finished."""
+        recorded = 0 if self._episodes is None else self._episodes.recorded_policy_tokens()
+        return sum(self.engine.in_flight().values()) + recorded
 
 
 def worker_seeds(stage_seed: int, sampling_seed: int, worker_index: int) -> tuple[int, int]:

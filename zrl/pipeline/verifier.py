@@ -100,7 +100,10 @@ class Verifier:
 
     def verify_text(self, group) -> VerifiedGroup:
         """Verify a group's `GroupText` (the stage loop passes an object reference, which Ray resolves
-        here: the responses go from the object store to this process, never through the driver)."""
+        here: the responses go from the object store to this process, never through the driver); a
+        multi-turn group comes with its episodes' rewards, which it returns as they are."""
+        if group.verifications is not None:  # a multi-turn group: its environment scored the episodes
+            return VerifiedGroup(group.verifications, 0.0, self.hung_threads, 0)
         start = time.perf_counter()
         timeouts_before = self.timeouts
         verifications = self.verify(group.prompt, list(group.texts))

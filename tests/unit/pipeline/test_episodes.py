@@ -82,16 +82,16 @@ def render(messages, last_token=None):
 
 
 def run(engine, episode, max_turns=4, max_response_tokens=40, prompt=(1, 2, 3), seed=None, max_tokens=8):
-    runner = EpisodeRunner(engine, SamplingConfig(max_tokens=max_tokens), render, max_turns=max_turns,
-                           max_response_tokens=max_response_tokens)
-    runner.start(episode, list(prompt), seed=seed)
+    runner = EpisodeRunner(engine, render)
+    runner.start(episode, list(prompt), SamplingConfig(max_tokens=max_tokens), max_turns=max_turns,
+                 max_response_tokens=max_response_tokens, seed=seed, key="k")
     outputs = []
     while len(runner):
         for sample in engine.step():
-            out = runner.on_sample(sample)
-            if out is not None:
-                outputs.append(out)
-    assert len(outputs) == 1 and episode.closed == 1
+            runner.on_sample(sample)
+        outputs += runner.poll(timeout=None)
+    runner.close()
+    assert len(outputs) == 1 and episode.closed == 1 and outputs[0].key == "k"
     return outputs[0]
 
 
@@ -161,7 +161,39 @@ def test_a_turn_needs_a_reward_to_end_and_the_runner_at_least_one_turn():
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
         Turn(reward=1.5)
     with pytest.raises(ValueError, match="max_turns"):
-        EpisodeRunner(StandInEngine([1]), SamplingConfig(max_tokens=4), render, max_turns=0, max_response_tokens=8)
+        EpisodeRunner(StandInEngine([1]), render).start(Scripted([]), [1], SamplingConfig(max_tokens=4), max_turns=0,
+                                                        max_response_tokens=8)
     with pytest.raises(ValueError, match="no room"):
-        EpisodeRunner(StandInEngine([1], max_model_len=3), SamplingConfig(max_tokens=4), render, max_turns=1,
-                      max_response_tokens=8).start(Scripted([]), [1, 2, 3])
+        EpisodeRunner(StandInEngine([1], max_model_len=3), render).start(
+            Scripted([]), [1, 2, 3], SamplingConfig(max_tokens=4), max_turns=1, max_response_tokens=8)
+
+
+def test_a_slow_environment_step_does_not_hold_back_other_episodes():
+    """Episode A's environment blocks until released; episode B's turns go on through the engine meanwhile."""
+    import threading
+
+    release = threading.Event()
+
+    class Blocking(Scripted):
+        def step(self, text):
+            assert release.wait(10)
+            return super().step(text)
+
+    engine = StandInEngine([2, 2, 2, 2])
+    runner = EpisodeRunner(engine, render)
+    slow, fast = Blocking([reply(1), Turn(done=True, reward=1.0)]), Scripted([reply(1), Turn(done=True, reward=0.5)])
+    runner.start(slow, [1], SamplingConfig(max_tokens=4), max_turns=3, max_response_tokens=20, key="slow")
+    runner.start(fast, [2], SamplingConfig(max_tokens=4), max_turns=3, max_response_tokens=20, key="fast")
+    ended = []
+    while not ended:  # B: turn 0, its reply, turn 1, done; A still waits for its environment
+        for sample in engine.step():
+            runner.on_sample(sample)
+        ended += runner.poll(timeout=0.1)
+    assert [e.key for e in ended] == ["fast"] and runner.stepping == 1 and len(runner) == 1
+    release.set()
+    while len(runner):
+        for sample in engine.step():
+            runner.on_sample(sample)
+        ended += runner.poll(timeout=None)
+    runner.close()
+    assert [(e.key, e.reward, e.turns) for e in ended] == [("fast", 0.5, 2), ("slow", 1.0, 2)]

@@ -120,3 +120,11 @@ def test_a_group_verifying_environment_gets_one_call_per_group_timed_per_respons
         assert rewards(v.verify_text(group("k", "a"))) == [(1.0, None)]  # a fresh thread serves the next group
     finally:
         RELEASE.set()
+
+
+def test_a_multi_turn_group_keeps_the_rewards_its_episodes_earned():
+    """Hangs would score "a" 1.0 and "b" 0.0; the episodes' own verifications are returned instead."""
+    episodes = (Verification(0.0, metadata={"reason": "max_turns"}), Verification(1.0, metadata={"reason": "done"}))
+    text = group("k", "a", "b")
+    verified = verifier().verify_text(GroupText(text.prompt, text.texts, episodes))
+    assert verified.verifications == episodes and verified.timeouts == 0
