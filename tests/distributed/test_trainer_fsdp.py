@@ -21,6 +21,7 @@ import torch
 from zrl.assets import build_tiny_model
 from zrl.moepp import load_hf_checkpoint
 from zrl.moepp.checkpoint import to_hf_name
+from zrl.trainer import SFTExample
 from zrl.trainer.synthetic import synthetic_sft_examples, synthetic_train_batch
 from zrl.types import NO_ROUTE
 
@@ -77,6 +78,9 @@ def run(tmp_path_factory) -> dict:
                                               for r in g.rollouts)) for g in replay.groups))
     single = synthetic_train_batch(**{**common, "num_groups": 1, "group_size": 2}, seed=7, empty_responses=1)
     sft = synthetic_sft_examples(vocab_size=cfg.vocab_size, num_examples=10, seed=5)
+    # Multi-turn demonstrations: an environment's reply inside the response is context, not a target.
+    sft = [SFTExample(e.prompt_ids, e.token_ids, np.arange(len(e.token_ids)) % 3 != 1) if i % 2 else e
+           for i, e in enumerate(sft)]
     data = root / "data.pkl"
     data.write_bytes(pickle.dumps({"batches": batches, "replay_batch": replay, "sft_examples": sft,
                                    "single_batch": single}))
@@ -246,8 +250,9 @@ def test_sft_step_matches_reference_nll(run):
         for ex in sft:
             full = torch.from_numpy(np.concatenate([ex.prompt_ids, ex.token_ids]).astype(np.int64))
             lp = ref.token_logprobs(full[:-1], full[1:]).logprobs[len(ex.prompt_ids) - 1:]
-            nll -= lp.sum().item()
-            count += len(ex.token_ids)
+            trained = torch.ones(len(lp), dtype=torch.bool) if ex.loss_mask is None else torch.from_numpy(ex.loss_mask)
+            nll -= lp[trained].sum().item()
+            count += int(trained.sum())
     for world in (1, 2):
         m = run["runs"][world]["results"]["G_metrics"]
         assert m["batch/num_response_tokens"] == count

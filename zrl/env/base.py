@@ -17,7 +17,8 @@ Contract (docs/design.md "Contracts"):
   it; the default calls `verify` per response. The pipeline then times the group's call as a whole
   (`verifier_timeout_s` per response) and `safe_verify_group` applies `safe_verify`'s rules to each result;
   a group call that raises costs the group's rewards.
-- `demonstration(prompt)` optionally returns a reference response (reasoning, `</think>`, answer);
+- `demonstration(prompt)` optionally returns a reference response (reasoning, `</think>`, answer), or
+  for a multi-turn environment the transcript as chat messages;
   environments that have one can feed `sft` stages.
 Constructor keyword arguments are the recipe's per-environment `options`.
 """
@@ -73,8 +74,10 @@ class Environment(ABC):
         """The rewards of a group's `responses`, in order (override to batch; see the module docstring)."""
         return [self.verify(prompt, response) for response in responses]
 
-    def demonstration(self, prompt: Prompt) -> str | None:
-        """A reference response for supervised warm starts, or None when the environment has none."""
+    def demonstration(self, prompt: Prompt) -> str | list[dict[str, str]] | None:
+        """A reference response for supervised warm starts, or None when the environment has none. A
+        multi-turn environment may return the transcript as chat messages: the assistant messages are
+        the policy's turns (trained), the others the environment's replies (context)."""
         return None
 
     def curriculum_tasks(self) -> tuple[str, ...] | None:

@@ -3,7 +3,8 @@
 Each step draws `examples_per_step` prompts from the stage's prompt source, renders them with the
 tokenizer's chat template (the assistant turn opens the reasoning section), appends the demonstration
 of the environment entry that made the prompt (found by the key the prompt source stamped on it) and
-the end-of-turn token, and sends the same examples to every trainer rank, which pack their share and
+the end-of-turn token (a multi-turn demonstration: each assistant turn so, the environment's replies
+between them rendered as a rollout renders them and not trained; `build_examples`), and sends the same examples to every trainer rank, which pack their share and
 take one optimizer step (token-mean NLL over the global batch). Examples longer than
 `max_sequence_tokens` are skipped and counted, never truncated.
 Resume: the prompt source's draw counter is the whole data position (zrl/prompts.py), so a stage
@@ -26,10 +27,14 @@ END_OF_TURN = "<|im_end|>"
 
 
 def build_examples(source: PromptSource, tokenizer, n: int, max_tokens: int):
+    """`n` examples (fewer by those over `max_tokens`) and the number skipped. A demonstration is a string
+    (one assistant turn) or a list of chat messages: the assistant's turns (trained) and the environment's
+    replies between them (context, rendered as a rollout renders them: zrl.env.chat.ChatContinuation)."""
     from zrl.trainer import SFTExample
 
     examples, skipped = [], 0
     entries = {e.key: e.env for e in source.entries}
+    chat = None
     for prompt in source.next_prompts(n):
         demo = entries[prompt.env].demonstration(prompt)
         if demo is None:
@@ -37,12 +42,45 @@ def build_examples(source: PromptSource, tokenizer, n: int, max_tokens: int):
         text = tokenizer.apply_chat_template(prompt.chat(), add_generation_prompt=True, tokenize=False)
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         end = END_OF_TURN if END_OF_TURN in tokenizer.get_vocab() else tokenizer.eos_token
-        token_ids = tokenizer(demo + end, add_special_tokens=False)["input_ids"]
+        loss_mask = None
+        if isinstance(demo, str):
+            token_ids = tokenizer(demo + end, add_special_tokens=False)["input_ids"]
+        else:
+            if chat is None:
+                from zrl.env.chat import ChatContinuation
+
+                chat = ChatContinuation(tokenizer)
+            token_ids, loss_mask = _multi_turn_ids(demo, tokenizer, chat, end, prompt.env)
         if len(prompt_ids) + len(token_ids) > max_tokens:
             skipped += 1
             continue
-        examples.append(SFTExample(np.asarray(prompt_ids, np.int64), np.asarray(token_ids, np.int64)))
+        examples.append(SFTExample(np.asarray(prompt_ids, np.int64), np.asarray(token_ids, np.int64),
+                                   None if loss_mask is None else np.asarray(loss_mask, bool)))
     return examples, skipped
+
+
+def _multi_turn_ids(messages, tokenizer, chat, end: str, env: str) -> tuple[list[int], list[bool]]:
+    """The response ids of a multi-turn demonstration and which of them are trained: each assistant turn's
+    content and end of turn (trained); between two turns, the messages of other roles (none: an empty
+    reply, as a Turn without messages gets in an episode) as the reply that opens the next turn (context)."""
+    roles = [m["role"] for m in messages]
+    if not roles or roles[0] != "assistant" or roles[-1] != "assistant":
+        raise ValueError(f"environment {env!r}: a multi-turn demonstration starts and ends with an assistant "
+                         f"message, got roles {roles}")
+    ids, mask, replies = [], [], []
+    for message in messages:
+        if message["role"] != "assistant":
+            replies.append(message)
+            continue
+        if ids:
+            reply = chat.reply_ids(replies, ids[-1])
+            ids += reply
+            mask += [False] * len(reply)
+            replies = []
+        turn = tokenizer(message["content"] + end, add_special_tokens=False)["input_ids"]
+        ids += turn
+        mask += [True] * len(turn)
+    return ids, mask
 
 
 def run_sft_stage(stage: SFTStage, ranks: list, tokenizer, seed: int, first_step: int, log_metrics,

@@ -34,10 +34,21 @@ from zrl.types import NO_ROUTE, Rollout
 
 @dataclass(frozen=True)
 class SFTExample:
-    """One supervised demonstration: the loss is on `token_ids` given `prompt_ids`."""
+    """One supervised demonstration: the loss is on `token_ids` given `prompt_ids`, only where `loss_mask`
+    is True when one is given (a multi-turn demonstration: the environment's replies are context)."""
 
     prompt_ids: np.ndarray  # [Tp] int, Tp >= 1
     token_ids: np.ndarray  # [Tr] int
+    loss_mask: np.ndarray | None = None  # [Tr] bool, True where the token is trained; None: all of them
+
+    def __post_init__(self):
+        r = len(self.token_ids)
+        if self.loss_mask is not None and (self.loss_mask.dtype != np.bool_ or self.loss_mask.shape != (r,)):
+            raise ValueError(f"loss_mask must be a [{r}] bool array, got {self.loss_mask.dtype} {self.loss_mask.shape}")
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return len(self.token_ids) if self.loss_mask is None else int(np.count_nonzero(self.loss_mask))
 
 
 @dataclass(frozen=True)
@@ -156,11 +167,16 @@ def _routing_rows(rollout: Rollout, length: int, num_layers: int, index: int,
 
 
 def pack_sft(examples: Sequence[SFTExample], indices: Sequence[int], *, device: torch.device) -> Microbatch:
-    """The microbatch of SFT examples `indices`: native routing, advantage 1, no behaviour logprobs."""
+    """The microbatch of SFT examples `indices`: native routing, advantage 1, no behaviour logprobs; a
+    token off its example's `loss_mask` is an input, never a target of the loss."""
     if not indices:
         return dummy_microbatch(device)
     pairs = [(e.prompt_ids, e.token_ids) for e in examples]
-    (ids, tgts, mask, seq), bounds, _ = _pack_tokens(pairs, indices, "SFT example {i} has no target tokens and cannot be packed")
+    (ids, tgts, mask, seq), bounds, layout = _pack_tokens(pairs, indices, "SFT example {i} has no target tokens and cannot be packed")
+    chosen = [examples[i] for i in indices]
+    if any(e.loss_mask is not None for e in chosen):
+        mask &= _response_values(layout, [np.ones(len(e.token_ids), bool) if e.loss_mask is None else e.loss_mask
+                                          for e in chosen])
     total = bounds[-1]
     mask_t = copy_to_device(torch.from_numpy(mask), device)
     return Microbatch(

@@ -191,7 +191,7 @@ class TrainerWorker:
         if not examples:
             raise ValueError("sft_step needs at least one example")
         lengths = [input_length(len(e.prompt_ids), len(e.token_ids)) for e in examples]
-        num_tokens = sum(len(e.token_ids) for e in examples)
+        num_tokens = sum(e.num_trained_tokens for e in examples)  # a multi-turn example's replies are not targets
 
         def build(indices):
             return pack_sft(examples, indices, device=self.device)
