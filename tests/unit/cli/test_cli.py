@@ -143,7 +143,7 @@ def test_run_refuses_a_missing_model_before_starting_anything(tmp_path):
     assert result.stderr.splitlines() == [
         f"zrl: error: {tmp_path / 'r.yaml'}: stages[0].environments[0].name: unknown environment 'no_such_env'; "
         "valid names: aggregation, arithmetic, chat_reward_model, code, code_auxiliary, hard_instruction_following, "
-        "math, reasoning_gym, rlve_gym, simple_instruction_following, strings (or use a `module:Class` reference)",
+        "math, reasoning_gym, rlve_gym, simple_instruction_following, skyrl_gym, strings, tool_arithmetic (or use a `module:Class` reference)",
         f"zrl: error: {tmp_path / 'r.yaml'}: {NOT_A_CHECKPOINT} and build_tiny_if_missing is false"]
 
 

@@ -1,0 +1,214 @@
+"""skyrl-gym environments, run unchanged as zrl episodic environments (docs/environment-libraries.md).
+
+Options:
+- `env_class`: a skyrl-gym registered id (`gsm8k_multi_turn`, `text2sql`, ...) or a `module:Class`
+  reference to a `skyrl_gym.Env` subclass, which is registered with skyrl-gym under that reference. A
+  row's own `env_class` takes precedence, as in SkyRL; one of the two must name the class.
+- `data`: rows in SkyRL's dataset format, `{prompt: [messages], env_class?, reward_spec: {ground_truth},
+  extra_info?, data_source?}`, from a .jsonl or .parquet file or a `module:function` returning them;
+  `eval_data` likewise for `split="eval"` (without it, a hash of the prompt holds ~20% of `data` out).
+- `env_config`: the mapping given to every env as `env_config` (an OmegaConf config, as SkyRL passes).
+- `max_turns`: policy messages per episode (the loop's limit, also handed to the env as SkyRL does).
+- `reward`: `last` (the last turn's reward, what SkyRL trains on) or `sum` (the turn rewards so far,
+  capped at 1).
+
+As in SkyRL's generator, an env gets `extras` = its row without `prompt` and `env_class`, plus
+`max_turns`; it is made once per episode and closed when the episode ends; the prompt the policy sees is
+what the env's `init` makes of the row's messages (drawn once at `sample`; the episode's own `init` must
+give the same). A turn reward that is not a number in [0, 1] fails the episode with a line naming the env
+and the value (the loop scores it 0 and keeps the error). A `postprocessed_action` is ignored: zrl trains
+the tokens the policy sampled.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import numbers
+import random
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import skyrl_gym
+from omegaconf import OmegaConf
+
+from zrl.env.base import in_split
+from zrl.env.episode import Episode, EpisodicEnvironment, Turn
+from zrl.env.registry import UnknownEnvironmentError, load_reference
+from zrl.types import Message, Prompt, Split
+
+_REGISTER = threading.Lock()  # two instances built at once (workers' draw threads) register a reference once
+
+
+class SkyRLGym(EpisodicEnvironment):
+    name = "skyrl_gym"
+    description = "skyrl-gym environments (multi-turn, tools) on SkyRL-format dataset rows"
+    reward_type = "continuous"
+
+    def __init__(self, data: str, env_class: str | None = None, eval_data: str | None = None,
+                 env_config: Mapping | None = None, max_turns: int = 5, reward: str = "last"):
+        if not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns: must be an integer >= 1, got {max_turns!r}")
+        if reward not in ("last", "sum"):
+            raise ValueError(f"reward: must be 'last' or 'sum', got {reward!r}")
+        if env_config is not None and not isinstance(env_config, Mapping):
+            raise ValueError(f"env_config: must be a mapping, got {env_config!r}")
+        self.max_turns, self.reward = max_turns, reward
+        self.env_config = OmegaConf.create(dict(env_config or {}))
+        self.env_class = None if env_class is None else _registered(env_class, "env_class")
+        rows = self._rows(data, "data")
+        if eval_data is None:
+            self.pools = {split: [row for row in rows if in_split(json.dumps(row["prompt"], sort_keys=True), split)]
+                          for split in ("train", "eval")}
+        else:
+            self.pools = {"train": rows, "eval": self._rows(eval_data, "eval_data")}
+
+    def _rows(self, source: str, option: str) -> list[dict]:
+        """The rows of `source`, each checked and with its env class resolved."""
+        rows = []
+        for index, row in enumerate(_load_rows(source, option)):
+            where = f"{option}: row {index}"
+            messages = row.get("prompt") if isinstance(row, Mapping) else None
+            if not (isinstance(messages, list) and messages
+                    and all(isinstance(m, Mapping) and {"role", "content"} <= m.keys() for m in messages)):
+                raise ValueError(f"{where} has no `prompt` list of {{role, content}} messages")
+            if not row.get("env_class") and self.env_class is None:
+                raise ValueError(f"{where} has no env_class and the option env_class is not set")
+            env_class = _registered(row["env_class"], f"{where} env_class") if row.get("env_class") else self.env_class
+            rows.append({**row, "env_class": env_class})
+        return rows
+
+    def sample(self, n: int, seed: int, split: Split = "train", difficulty: float | None = None) -> list[Prompt]:
+        pool = self.pools[split]
+        if not pool:
+            raise ValueError(f"no {split} rows in the data")
+        rng = random.Random(f"{self.name}:{seed}:{split}")
+        prompts = []
+        for index in range(n):
+            row = rng.choice(pool)
+            extras = {k: v for k, v in row.items() if k not in ("prompt", "env_class")}
+            env = self._make(row["env_class"], extras)
+            try:
+                messages, _ = env.init(copy.deepcopy(row["prompt"]))
+            finally:
+                env.close()
+            prompts.append(Prompt(
+                env=self.name, prompt_id=f"{self.name}:{split}:{seed}:{index}",
+                messages=tuple(Message(m["role"], m["content"]) for m in messages),
+                answer=str((row.get("reward_spec") or {}).get("ground_truth", "")),
+                data_source=row.get("data_source") or row["env_class"], difficulty=difficulty,
+                payload={"env_class": row["env_class"], "prompt": row["prompt"], "extras": extras}))
+        return prompts
+
+    def episode(self, prompt: Prompt) -> SkyRLEpisode:
+        env_class = prompt.payload["env_class"]
+        env = self._make(env_class, prompt.payload["extras"])
+        messages, _ = env.init(copy.deepcopy(prompt.payload["prompt"]))
+        drawn = prompt.chat()
+        error = None if [{"role": m["role"], "content": m["content"]} for m in messages] == drawn else (
+            f"skyrl-gym env {env_class!r}: init gave a different prompt than when it was drawn (init must be "
+            "deterministic)")
+        return SkyRLEpisode(env, env_class, self.reward, error)
+
+    def verify(self, prompt: Prompt, response: str) -> float:
+        """The env's reward for `response` as the episode's only policy message."""
+        episode = self.episode(prompt)
+        try:
+            return episode.step(response).reward
+        finally:
+            episode.close()
+
+    def _make(self, env_class: str, extras: Mapping):
+        return skyrl_gym.make(env_class, env_config=self.env_config,
+                              extras={**copy.deepcopy(dict(extras)), "max_turns": self.max_turns})
+
+
+class SkyRLEpisode(Episode):
+    def __init__(self, env, env_class: str, reward: str, error: str | None = None):
+        self.env, self.env_class, self.reward, self.error = env, env_class, reward, error
+        self.total = 0.0
+
+    def step(self, text: str) -> Turn:
+        if self.error:
+            raise RuntimeError(self.error)
+        out = self.env.step(text)
+        value = out["reward"]
+        reward = float(value) if isinstance(value, numbers.Real) else None
+        if reward is None or not 0.0 <= reward <= 1.0:
+            raise ValueError(f"skyrl-gym env {self.env_class!r} returned reward {value!r}, not a number in [0, 1]")
+        self.total += reward
+        return Turn(messages=tuple(dict(m) for m in out["observations"] or ()), done=bool(out["done"]),
+                    reward=reward if self.reward == "last" else min(1.0, self.total),
+                    metadata=dict(out.get("metadata") or {}))
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def _registered(env_class: str, where: str) -> str:
+    """`env_class` as a skyrl-gym registry id: a registered id, or a `module:Class` registered under itself."""
+    with _REGISTER:
+        if env_class in skyrl_gym.registry:
+            return env_class
+        if ":" not in str(env_class):
+            raise ValueError(f"{where}: {env_class!r} is not a registered skyrl-gym environment "
+                             f"({', '.join(sorted(skyrl_gym.registry))}) nor a `module:Class` reference")
+        try:
+            factory = load_reference(env_class)
+        except UnknownEnvironmentError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        if not (isinstance(factory, type) and issubclass(factory, skyrl_gym.Env)):
+            raise ValueError(f"{where}: {env_class!r} is not a skyrl_gym.Env subclass")
+        skyrl_gym.register(id=env_class, entry_point=factory)
+        return env_class
+
+
+def _load_rows(source: str, option: str) -> list:
+    """The rows a .jsonl/.parquet file or a `module:function` reference holds."""
+    if not isinstance(source, str):
+        raise ValueError(f"{option}: expected a .jsonl/.parquet path or a `module:function`, got {source!r}")
+    if source.endswith((".jsonl", ".parquet")):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"{option}: no file {source}")
+        if source.endswith(".parquet"):
+            import pyarrow.parquet
+
+            rows = pyarrow.parquet.read_table(path).to_pylist()
+        else:
+            try:
+                rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{option}: {source}: not JSON lines ({exc})") from None
+    elif ":" in source:
+        try:
+            rows = list(load_reference(source)())
+        except UnknownEnvironmentError as exc:
+            raise ValueError(f"{option}: {exc}") from None
+    else:
+        raise ValueError(f"{option}: {source!r} is neither a .jsonl/.parquet file nor a `module:function` reference")
+    if not rows:
+        raise ValueError(f"{option}: {source} holds no rows")
+    return rows
+
+
+_NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli")
+_ITEMS = ("apples", "books", "coins", "shells")
+
+
+def arithmetic_rows() -> list[dict]:
+    """Word problems for skyrl-gym's own `gsm8k_multi_turn` env (answer `#### N`): every sum and
+    difference of 2..12 and 1..12 over fixed names and items, one row each, in a fixed order."""
+    rows = []
+    for a in range(2, 13):
+        for b in range(1, 13):
+            name, item = _NAMES[(a + b) % len(_NAMES)], _ITEMS[(a * b) % len(_ITEMS)]
+            problems = [(f"{name} has {a} {item} and gets {b} more. How many {item} now?", a + b)]
+            if a > b:
+                problems.append((f"{name} has {a} {item} and gives away {b}. How many {item} now?", a - b))
+            for question, answer in problems:
+                rows.append({"data_source": "skyrl_arithmetic", "env_class": "gsm8k_multi_turn",
+                             "prompt": [{"role": "user", "content": f"{question} End with #### and the number."}],
+                             "reward_spec": {"method": "rule", "ground_truth": str(answer)}})
+    return rows

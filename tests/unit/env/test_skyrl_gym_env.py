@@ -1,0 +1,223 @@
+"""The skyrl-gym adapter (environments/skyrl_gym_env.py): its options, its draws, episodes of skyrl-gym's own
+`gsm8k_multi_turn` env by hand and in the episode loop, a `module:Class` env, rewards outside [0, 1]."""
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import skyrl_gym
+from skyrl_gym.envs.base_text_env import BaseTextEnv
+from skyrl_gym.envs.gsm8k.multi_turn_env import GSM8kMultiTurnEnv
+
+from environments.skyrl_gym_env import SkyRLGym, arithmetic_rows
+from zrl.env.episode import Episode, Turn
+from zrl.types import Message
+
+ROWS = "environments.skyrl_gym_env:arithmetic_rows"
+SCRIPTED = f"{__name__}:ScriptedEnv"
+FEEDBACK = ("Please provide your step-by-step reasoning, and also include a tentative numeric answer at the end in the "
+            "exact format: '#### ANSWER'.",  # gsm8k_multi_turn's replies: more than one turn left, the last turn left
+            "Now provide only the final numeric answer in the exact format: '#### ANSWER'.")
+
+# The episode loop's stand-in engine and driver, shared with its own tests.
+_spec = importlib.util.spec_from_file_location("episode_loop_tests",
+                                               Path(__file__).parents[1] / "pipeline" / "test_episodes.py")
+_loop = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_loop)
+
+
+class ScriptedEnv(BaseTextEnv):
+    """A library env written against skyrl-gym alone: turn k's reward is the row's ground_truth[k]; its init
+    puts a system message before the prompt."""
+
+    def __init__(self, env_config=None, extras={}):
+        super().__init__()
+        self.env_config, self.max_turns = env_config, extras["max_turns"]
+        self.rewards = extras["reward_spec"]["ground_truth"]
+
+    def init(self, prompt):
+        return [{"role": "system", "content": "Be brief."}, *prompt], {}
+
+    def step(self, action):
+        self.turns += 1
+        done = self.turns == len(self.rewards)
+        return {"observations": [] if done else [{"role": "user", "content": f"heard {action}"}],
+                "reward": self.rewards[self.turns - 1], "done": done, "metadata": {"turn": self.turns}}
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def scripted_row(rewards, text="q"):
+    return {"prompt": [{"role": "user", "content": text}], "env_class": SCRIPTED,
+            "reward_spec": {"ground_truth": rewards}}
+
+
+@pytest.fixture
+def closes(monkeypatch):
+    """Counts the closes of gsm8k_multi_turn envs."""
+    calls = []
+    monkeypatch.setattr(GSM8kMultiTurnEnv, "close", lambda self: calls.append(self))
+    return calls
+
+
+@pytest.mark.parametrize("options, error", [
+    ({"max_turns": 0}, r"^max_turns: must be an integer >= 1, got 0"),
+    ({"reward": "mean"}, r"^reward: must be 'last' or 'sum', got 'mean'"),
+    ({"env_config": [1]}, r"^env_config: must be a mapping"),
+    ({"env_class": "gsm9k"}, r"^env_class: 'gsm9k' is not a registered skyrl-gym environment \(aime, gsm8k, "),
+    ({"env_class": "no_such_module:Env"}, r"^env_class: 'no_such_module:Env': cannot import"),
+    ({"env_class": "environments.skyrl_gym_env:SkyRLGym"}, r"^env_class: .* is not a skyrl_gym.Env subclass"),
+    ({"data": "rows.csv"}, r"^data: 'rows.csv' is neither a .jsonl/.parquet file nor a `module:function`"),
+    ({"data": "environments.skyrl_gym_env:no_rows"}, r"^data: .* has no attribute 'no_rows'"),
+])
+def test_bad_options_fail_in_one_line_naming_the_option(options, error):
+    with pytest.raises(ValueError, match=error):
+        SkyRLGym(**{"data": ROWS, **options})
+
+
+def test_bad_data_files_and_rows(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"^data: no file .*absent.jsonl"):  # preflight: absent here
+        SkyRLGym(data=str(tmp_path / "absent.jsonl"))
+    (tmp_path / "broken.jsonl").write_text('{"prompt": \n')
+    with pytest.raises(ValueError, match=r"^eval_data: .*broken.jsonl: not JSON lines"):
+        SkyRLGym(data=ROWS, eval_data=str(tmp_path / "broken.jsonl"))
+    for row, error in [({"prompt": "q"}, r"^data: row 1 has no `prompt` list of \{role, content\} messages"),
+                       ({"prompt": [{"role": "user", "content": "q"}]}, r"^data: row 1 has no env_class and the "
+                                                                         r"option env_class is not set"),
+                       ({**scripted_row([1.0]), "env_class": "nope"}, r"^data: row 1 env_class: 'nope' is not")]:
+        with pytest.raises(ValueError, match=error):
+            SkyRLGym(data=write_rows(tmp_path / "rows.jsonl", [scripted_row([1.0]), row]))
+
+
+def test_draws_are_deterministic_and_the_splits_disjoint(tmp_path):
+    env = SkyRLGym(data=ROWS, env_class="gsm8k_multi_turn")
+    first = env.sample(16, seed=3)
+    assert first == env.sample(16, seed=3) == SkyRLGym(data=ROWS).sample(16, seed=3)
+    assert [p.prompt_id for p in first] == [f"skyrl_gym:train:3:{i}" for i in range(16)]
+    assert [p.messages for p in first] != [p.messages for p in env.sample(16, seed=4)]
+    every = {(Message("user", row["prompt"][0]["content"]),) for row in arithmetic_rows()}
+    train = {p.messages for p in env.sample(2000, seed=0)}
+    held_out = {p.messages for p in env.sample(2000, seed=0, split="eval")}
+    assert not train & held_out and train | held_out == every and len(held_out) < len(train)
+    # eval_data: the eval split is exactly those rows, the train split all of data.
+    eval_rows = [dict(row, prompt=[{"role": "user", "content": f"held out {i}"}])
+                 for i, row in enumerate(arithmetic_rows()[:3])]
+    env = SkyRLGym(data=ROWS, eval_data=write_rows(tmp_path / "eval.jsonl", eval_rows))
+    assert {p.messages[0].content for p in env.sample(30, seed=1, split="eval")} == {f"held out {i}" for i in range(3)}
+    assert {p.messages for p in env.sample(2000, seed=0)} == every
+
+
+def test_parquet_and_jsonl_files_give_the_rows_a_function_gives(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = arithmetic_rows()
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    drawn = SkyRLGym(data=ROWS).sample(32, seed=2)
+    assert SkyRLGym(data=str(tmp_path / "rows.parquet")).sample(32, seed=2) == drawn
+    assert SkyRLGym(data=write_rows(tmp_path / "rows.jsonl", rows)).sample(32, seed=2) == drawn
+
+
+def test_an_episode_of_skyrl_gyms_own_env_by_hand(closes):
+    env = SkyRLGym(data=ROWS, max_turns=3)
+    prompt = env.sample(1, seed=0)[0]
+    assert len(closes) == 1  # the env that made the prompt (its init) is closed
+    row = next(r for r in arithmetic_rows() if r["prompt"] == prompt.chat())
+    assert prompt.answer == row["reward_spec"]["ground_truth"] and prompt.data_source == "skyrl_arithmetic"
+    wrong = str(int(prompt.answer) + 1)
+    episode = env.episode(prompt)
+    first = episode.step("I am not sure.")
+    assert (first.done, first.reward) == (False, 0.0)
+    assert first.messages == ({"role": "user", "content": FEEDBACK[0]},)
+    second = episode.step(f"#### {wrong}")  # well formed, wrong: the env's format score, 0.2 / max_turns
+    assert (second.done, second.reward) == (False, pytest.approx(0.2 / 3))
+    assert second.messages == ({"role": "user", "content": FEEDBACK[1]},)
+    last = episode.step(f"So: #### {prompt.answer}")
+    assert (last.done, last.reward, last.messages) == (True, 1.0, ())
+    episode.close()
+    assert len(closes) == 2 and closes[-1] is episode.env
+    # reward: sum adds the turn rewards, capped at 1.
+    env = SkyRLGym(data=ROWS, max_turns=3, reward="sum")
+    episode = env.episode(prompt)
+    rewards = [episode.step(text).reward for text in (f"#### {wrong}", f"#### {wrong}", f"#### {prompt.answer}")]
+    assert rewards == [pytest.approx(0.2 / 3), pytest.approx(0.4 / 3), 1.0]
+    assert env.verify(prompt, f"#### {prompt.answer}") == 1.0 and env.verify(prompt, "no idea") == 0.0
+
+
+def test_a_module_class_env_its_init_its_config_and_its_rewards(tmp_path, monkeypatch):
+    data = write_rows(tmp_path / "rows.jsonl", [scripted_row([0.25, 1.0])])
+    env = SkyRLGym(data=data, env_config={"db_path": "x.db"})
+    assert skyrl_gym.registry[SCRIPTED].entry_point is ScriptedEnv
+    SkyRLGym(data=data, env_class=SCRIPTED)  # registered once, found the second time
+    prompt = env.sample(1, seed=0)[0]
+    assert prompt.chat() == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q"}]
+    assert prompt.data_source == SCRIPTED and prompt.answer == "[0.25, 1.0]"
+    episode = env.episode(prompt)
+    assert episode.env.env_config.db_path == "x.db" and episode.env.max_turns == 5
+    assert episode.step("a") == Turn(messages=({"role": "user", "content": "heard a"},), reward=0.25,
+                                           metadata={"turn": 1})
+    assert episode.step("b").done
+    # The episode's init must give the prompt that was drawn; otherwise its first step fails (the loop scores 0).
+    monkeypatch.setattr(ScriptedEnv, "init", lambda self, prompt: ([{"role": "system", "content": "Be verbose."},
+                                                                    *prompt], {}))
+    with pytest.raises(RuntimeError, match=f"{SCRIPTED!r}: init gave a different prompt than when it was drawn"):
+        env.episode(prompt).step("a")
+
+
+@pytest.mark.parametrize("reward", [1.5, -0.1, float("nan"), "1", None])
+def test_a_reward_outside_0_1_fails_the_episode_naming_the_env_and_value(tmp_path, reward):
+    env = SkyRLGym(data=write_rows(tmp_path / "rows.jsonl", [scripted_row([0.5, reward])]))
+    episode = env.episode(env.sample(1, seed=0)[0])
+    episode.step("a")
+    with pytest.raises(ValueError) as caught:
+        episode.step("b")
+    assert str(caught.value) == f"skyrl-gym env {SCRIPTED!r} returned reward {reward!r}, not a number in [0, 1]"
+
+
+class SpeakingEngine(_loop.StandInEngine):
+    """The stand-in engine, its k-th request answered with `texts[k]` (4 tokens)."""
+
+    def __init__(self, texts):
+        super().__init__([4] * len(texts))
+        self.texts = texts
+
+    def _finish(self, k):
+        sample = super()._finish(k)
+        return dataclasses.replace(sample, output=dataclasses.replace(sample.output, text=self.texts[k]))
+
+
+class Counted(Episode):
+    """An episode as the loop's driver checks it (`closed`)."""
+
+    def __init__(self, episode):
+        self.episode, self.closed = episode, 0
+
+    def step(self, text):
+        return self.episode.step(text)
+
+    def close(self):
+        self.closed += 1
+        self.episode.close()
+
+
+def test_the_episode_loop_runs_skyrl_gyms_env(closes, tmp_path):
+    env = SkyRLGym(data=ROWS, max_turns=3)
+    prompt = env.sample(1, seed=5)[0]
+    wrong = str(int(prompt.answer) + 1)
+    engine = SpeakingEngine(["Let me think.", f"#### {wrong}", f"#### {prompt.answer}"])
+    out = _loop.run(engine, Counted(env.episode(prompt)), max_turns=env.max_turns, max_response_tokens=60)
+    assert (out.end_reason, out.reward, out.turns) == ("done", 1.0, 3) and len(closes) == 2
+    feedback = [len(_loop.render([{"content": text}])) for text in FEEDBACK]
+    assert out.rollout.policy_mask.tolist() == ([True] * 4 + [False] * feedback[0] + [True] * 4
+                                                + [False] * feedback[1] + [True] * 4)
+    assert "final numeric answer" in out.rollout.text
+    # A reward outside [0, 1] is the environment's failure: the episode scores 0 and keeps the line.
+    env = SkyRLGym(data=write_rows(tmp_path / "rows.jsonl", [scripted_row([0.5, 2.0])]))
+    out = _loop.run(SpeakingEngine(["a", "b"]), Counted(env.episode(env.sample(1, seed=0)[0])))
+    assert (out.end_reason, out.reward, out.turns) == ("env_error", 0.0, 2)
+    assert out.error == f"ValueError: skyrl-gym env {SCRIPTED!r} returned reward 2.0, not a number in [0, 1]"
