@@ -12,7 +12,8 @@ rounds, like a round's groups; the trainer does not wait for it):
 - One worker (the first to hold the version) evaluates each version once.
 
 Logged (`held_out_metrics`): `eval/<entry>/accuracy` (mean reward over prompts x samples),
-`eval/<entry>/response_tokens_mean` and `eval/policy_version`, the version of the weights evaluated.
+`eval/<entry>/response_tokens_mean` and `eval/policy_version`, the version of the weights evaluated;
+for a multi-turn entry also `eval/<entry>/turns_mean`, `.../tool_calls_mean` and `.../used_tools_frac`.
 An evaluation ends while the trainer goes on, after the rows of later steps were written (dashboards
 take steps in increasing order), so its values go with the next row that is logged and the stage plot
 draws them at `eval/policy_version` (zrl/plots.py). The stage-end evaluation is logged at the stage's
@@ -59,12 +60,19 @@ def in_training_requests(stage: RLStage) -> list[tuple[str, EvalRequest]]:
     return [(k, r) for k, r in requests if k not in scored]
 
 
+# episode metadata (zrl.pipeline.episodes.episode_verification) -> its held-out metric
+EPISODE_METRICS = {"turns": "turns_mean", "tool_calls": "tool_calls_mean", "used_tools": "used_tools_frac"}
+
+
 def held_out_metrics(policy_version: int, results) -> dict[str, float]:
     """The metric values of one evaluation: `results` are (entry key, EvalResult) pairs."""
     values = {POLICY_VERSION: float(policy_version)}
     for key, result in results:
         values[f"eval/{key}/accuracy"] = result.accuracy
         values[f"eval/{key}/response_tokens_mean"] = result.mean_response_tokens
+        for name, metric in EPISODE_METRICS.items():
+            if name in result.metadata_means:  # a multi-turn environment's episodes
+                values[f"eval/{key}/{metric}"] = result.metadata_means[name]
     return values
 
 

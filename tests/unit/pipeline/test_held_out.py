@@ -55,3 +55,13 @@ def test_logged_values_and_their_place_in_the_stage_plot(tmp_path):
     series = panel_series(reward, stage_rows(path, 1))
     assert series["eval/strings/accuracy"] == ([12, 14], [0.5, 0.75])
     assert series["reward/mean"][0] == [11, 12, 13, 14]
+
+
+def test_a_multi_turn_entry_logs_its_turns_and_tool_use():
+    episodes = EvalResult(checkpoint="c", environment="tool_arithmetic", num_prompts=8, accuracy=0.25,
+                          verifier_errors=0, mean_response_tokens=80.0, reasons={"done": 1.0},
+                          metadata_means={"turns": 1.75, "tool_calls": 0.875, "tool_errors": 0.125, "used_tools": 0.75})
+    values = held_out_metrics(4, [("tools", episodes)])
+    assert {k: v for k, v in values.items() if k.startswith("eval/tools/") and "accuracy" not in k} == {
+        "eval/tools/response_tokens_mean": 80.0, "eval/tools/turns_mean": 1.75, "eval/tools/tool_calls_mean": 0.875,
+        "eval/tools/used_tools_frac": 0.75}
