@@ -7,6 +7,7 @@ trainer steps on sequences whose environment tokens are context, and the held-ou
 The warm start only teaches the tiny model to end its turns; rewards stay ~0 (the test is about the
 episode path, not learning: recipes/tiny-tools-cpu.yaml is)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import yaml
 from e2e_testlib import kill_marked, read_rows, run_zrl, wait_until_gone, write_recipe, zrl_env
 
 from zrl.pipeline.episodes import END_REASONS
+from zrl.run_dir import RunDir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-skyrl-gym-cpu.yaml"
@@ -42,5 +44,6 @@ def test_a_skyrl_gym_environment_trains_a_stage_unchanged(tmp_path, tmp_path_fac
     assert reasons and reasons <= set(END_REASONS), reasons
     assert rows[-1]["env/verifier_errors"] == 0
     assert all(r["episodes/tool_calls_mean"] == 0 for r in rows)  # gsm8k_multi_turn has no tools
-    [held_out] = [r for r in read_rows(tmp_path / "run") if "eval/skyrl_gym/accuracy" in r]  # at the stage's end
-    assert held_out["step"] == rows[-1]["step"] and held_out["eval/skyrl_gym/turns_mean"] >= 1
+    held_out = json.loads(RunDir(tmp_path / "run").stage_record(rl["name"]).read_text())["evaluation"]["skyrl_gym"]
+    assert held_out["num_prompts"] == rl["evaluation"]["prompts"] and held_out["verifier_errors"] == 0
+    assert held_out["metadata_means"]["turns"] >= 1 and set(held_out["reasons"]) <= set(END_REASONS)
