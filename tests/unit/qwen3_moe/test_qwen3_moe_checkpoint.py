@@ -1,6 +1,5 @@
 """Loading qwen3_moe checkpoints (per-expert and fused expert layouts) and config validation."""
 
-
 import pytest
 import torch
 from safetensors.torch import save_file
