@@ -7,7 +7,7 @@ expert, more than 255 experts) is rejected with a `ConfigError` naming the key, 
 loads into a silently different model. Both spellings transformers writes are read: `num_experts` or
 `num_local_experts`, `rope_parameters` (transformers >= 5) or a top-level `rope_theta` (older files).
 
-Invariant: importing this module imports neither torch nor transformers.
+Invariants: importing this module imports neither torch nor transformers; `from_hf_dict(to_hf_dict(c)) == c`.
 """
 
 from __future__ import annotations
@@ -164,10 +164,31 @@ class Qwen3MoEConfig:
             logger.warning("ignoring unknown qwen3_moe config keys %s", sorted(cfg))
         return cls(**fields, passthrough=passthrough)
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A config.json dict that transformers' `Qwen3MoeConfig` (and vLLM) load into the same architecture."""
+        out: dict[str, Any] = {"architectures": ["Qwen3MoeForCausalLM"]}
+        out.update(self.passthrough)
+        out.update(
+            model_type=MODEL_TYPE, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, moe_intermediate_size=self.moe_intermediate_size, num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
+            decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+            rms_norm_eps=self.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.attention_bias,
+            attention_dropout=0.0, hidden_act="silu", use_sliding_window=False, pad_token_id=self.pad_token_id,
+        )
+        return out
+
     @classmethod
     def from_pretrained_dir(cls, path: str | Path, *, strict: bool = True) -> Qwen3MoEConfig:
         with open(Path(path) / "config.json", encoding="utf-8") as f:
             return cls.from_hf_dict(json.load(f), strict=strict)
+
+    def save_json(self, path: str | Path) -> None:
+        with open(Path(path) / "config.json", "w", encoding="utf-8") as f:
+            json.dump(self.to_hf_dict(), f, indent=2, sort_keys=True)
 
 
 def _pop(cfg: dict[str, Any], key: str) -> Any:

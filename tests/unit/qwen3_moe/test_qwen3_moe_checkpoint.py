@@ -8,7 +8,7 @@ from transformers import Qwen3MoeForCausalLM
 from qwen3_moe_testlib import next_token_targets, packed_documents
 from zrl.assets import TINY_QWEN3_MOE_CONFIG, build_tiny_qwen3_moe, is_checkpoint_dir
 from zrl.moepp.config import ConfigError
-from zrl.qwen3_moe import Qwen3MoEConfig, load_hf_checkpoint
+from zrl.qwen3_moe import Qwen3MoEConfig, load_hf_checkpoint, save_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,25 @@ def test_transformers_written_config_parses():
 def test_unsupported_configs_are_rejected(changes, message):
     with pytest.raises(ConfigError, match=message):
         Qwen3MoEConfig.from_hf_dict(hub_style_config(**changes))
+
+
+@pytest.mark.parametrize("max_shard_bytes", [None, 20_000])
+def test_save_round_trips_through_transformers_and_back(tiny_dir, tmp_path, max_shard_bytes):
+    ours = load_hf_checkpoint(tiny_dir)
+    with torch.no_grad():
+        for p in ours.parameters():  # moved away from the file's values, so a stale read would show
+            p.add_(0.01)
+    save_hf_checkpoint(ours, tmp_path, max_shard_bytes=max_shard_bytes)
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (max_shard_bytes is not None)
+    back = load_hf_checkpoint(tmp_path)
+    assert back.config == ours.config
+    for name, value in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[name], value), name
+    ref = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    for key, value in ref.state_dict().items():  # transformers fuses the per-expert files on load
+        assert torch.equal(value, ours.state_dict()[key.removeprefix("model.")]), key
+
+
+def test_config_round_trips():
+    config = Qwen3MoEConfig.from_hf_dict(hub_style_config(mlp_only_layers=[3], decoder_sparse_step=2))
+    assert Qwen3MoEConfig.from_hf_dict(config.to_hf_dict()) == config
