@@ -1,4 +1,4 @@
-"""Tiny, reproducible model assets for CPU tests and the demo: a tokenizer and a `zaya` checkpoint.
+"""Tiny, reproducible model assets for CPU tests and the demo: a tokenizer, a `zaya` and a `qwen3_moe` checkpoint.
 
 Nothing is downloaded. The tokenizer is a byte-level BPE trained with the `tokenizers` library on a
 small synthetic corpus generated from a fixed seed (digits, arithmetic, a few words), so any text
@@ -102,6 +102,46 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
             if name.endswith("qk_norm.temp"):
                 param.fill_(1.0)
     model.save_pretrained(str(out), safe_serialization=True)
+    (out / "zrl_tiny.json").write_text(json.dumps({"seed": seed, "overrides": overrides}, sort_keys=True) + "\n")
+    return out
+
+
+TINY_QWEN3_MOE_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=96,  # the dense layers' MLP width
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,  # vLLM's CPU attention backend supports head sizes from 32 up
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[1],  # one dense layer between two sparse ones
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+
+
+def build_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write the tiny tokenizer and a seeded tiny `qwen3_moe` checkpoint into `out_dir`; returns the path.
+
+    Written by transformers' own `Qwen3MoeConfig`/`Qwen3MoeForCausalLM` (random initialisation, seeded;
+    transformers 5.19 saves the experts one by one, the Hub's layout). `overrides` change fields of
+    TINY_QWEN3_MOE_CONFIG.
+    """
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, seed=seed)
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<eos>", "<|im_end|>")]
+    config = Qwen3MoeConfig(
+        **{**TINY_QWEN3_MOE_CONFIG, **overrides}, vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids)
+    torch.manual_seed(seed)
+    Qwen3MoeForCausalLM(config).save_pretrained(str(out), safe_serialization=True)
     (out / "zrl_tiny.json").write_text(json.dumps({"seed": seed, "overrides": overrides}, sort_keys=True) + "\n")
     return out
 
