@@ -61,6 +61,11 @@ from zrl.prompts import Assignment, PromptSource, build_entries
 from zrl.types import Prompt, Rollout, Verification, rollout_array_bytes, stream_group_id
 
 
+# With nothing to decode, how long the worker waits for an environment's reply before it looks at its
+# prompt draws again (a draw that ends meanwhile would otherwise wait for a slow tool).
+ENV_POLL_S = 0.05
+
+
 @dataclass(frozen=True)
 class GeneratedGroup:
     """G finished samples of one prompt, before verification."""
@@ -197,13 +202,13 @@ class RolloutWorker:
         deadline = time.perf_counter() + self.round_seconds
         skipped = self._submit_drawn()  # levels of the prompts skipped as too long (None: not adaptive)
         while (now := time.perf_counter()) < deadline:
-            if not self.engine.has_unfinished():
+            if not self.engine.has_unfinished():  # nothing to decode until an environment replies or a draw ends
                 if self._episodes is not None and self._episodes.stepping:
-                    self._take_episodes(timeout=deadline - now)  # nothing to decode until an environment replies
-                    continue
-                if not self._drawing:
+                    self._take_episodes(timeout=min(deadline - now, ENV_POLL_S))
+                elif self._drawing:
+                    wait([self._drawing[0].result], timeout=deadline - now)
+                else:
                     break
-                wait([self._drawing[0].result], timeout=deadline - now)  # nothing to decode until it is drawn
                 skipped += self._submit_drawn()
                 continue
             for sample in self.engine.step():
