@@ -56,8 +56,9 @@ def main() -> None:
                            ("trainer_idle", "trainer idle")):
             print(f"  {label:13s} measured {m[key]:7.3f}  predicted {p[key]:7.3f}  error {rel(p[key], m[key])}")
         print(f"  staleness (rollouts per staleness) measured {m['staleness']}  predicted {p['staleness']}")
-    ratio = lambda side: results[1][side]["steps_per_min"] / results[0][side]["steps_per_min"]  # noqa: E731
-    print(f"async / sync: measured {ratio('measured'):.2f}x, predicted {ratio('predicted'):.2f}x")
+    for r in results[1:]:
+        ratio = lambda side: r[side]["steps_per_min"] / results[0][side]["steps_per_min"]  # noqa: E731
+        print(f"{r['mode']} / sync: measured {ratio('measured'):.2f}x, predicted {ratio('predicted'):.2f}x")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ What is modelled, and how:
   time) is computed when groups join the engine or it starts again after waiting (a sync); a round that
   starts no group continues it. A sequence's tokens carry the version its engine held at its start.
 - A weight sync is one collective: it starts when the trainer and every worker are free (a worker
-  after its current round), takes `sync_s`, and the trainer ranks train nothing meanwhile.
+  after its current round), takes `sync_s`, and the trainer ranks train nothing meanwhile: a step
+  released while a sync waits for workers starts when the sync ends (the ranks run calls in order).
 - A group is its response lengths and the version its tokens carry: all the queue's rules read (it
   knows a group by its version), and all the trainer's step time needs. The buffer's scoring is not
   run, since simulated responses have no rewards: of what it decides, only its zero-signal drop
@@ -224,6 +225,8 @@ class _Simulation:
         self.trainer_free = 0.0
         self.release_t = 0.0
         self.sync_version: int | None = None   # the policy version the pending sync sends
+        self.sync_waiting = False       # a sync started and waits for workers to end their rounds
+        self.deferred_step_s: float | None = None  # a released step queued behind that sync on the ranks
         self.syncs = 0
         self.rows: list[StepRow] = []
         self.window_start = 0.0
@@ -370,10 +373,13 @@ class _Simulation:
             self.staleness_rollouts[staleness] += self.group_size
             response_tokens += group.tokens
         self.release_t = t
-        start = max(t, self.trainer_free)
         response = np.concatenate([group.lengths for group in groups])  # [N_seq]
-        self.trainer_free = start + self.workload.trainer.step_s(response + self.workload.prompt_tokens)
+        step_s = self.workload.trainer.step_s(response + self.workload.prompt_tokens)
         self.last_batch = (step - min(group.policy_version for group in groups), response_tokens)
+        if self.sync_waiting:  # the ranks run the sync's collective first (calls run in order on an actor)
+            self.deferred_step_s = step_s
+            return
+        self.trainer_free = max(t, self.trainer_free) + step_s
         self._push(self.trainer_free, "trained")
 
     def _on_trained(self, t: float) -> None:
@@ -394,6 +400,7 @@ class _Simulation:
         s = self.schedule
         self.sync_version = request.policy_version
         self.sync_trainer_ready = max(t, self.trainer_free)
+        self.sync_waiting = True
         for w, e in enumerate(self.engines):
             if s.workers[w].in_round:
                 e.sync_ready = None
@@ -407,6 +414,11 @@ class _Simulation:
             return
         done = max([self.sync_trainer_ready] + [e.sync_ready for e in self.engines]) + self.workload.sync_s
         self.trainer_free = done
+        self.sync_waiting = False
+        if self.deferred_step_s is not None:
+            self.trainer_free += self.deferred_step_s
+            self.deferred_step_s = None
+            self._push(self.trainer_free, "trained")
         for e in self.engines:
             e.sync_ready = math.inf   # joined; cleared when the sync ends
         self._push(done, "synced")

@@ -91,6 +91,19 @@ def test_async_staleness_is_bounded_and_used():
     assert sum(r.staleness_rollouts.values()) == 30 * 8 * 4
 
 
+def test_syncing_every_step_trains_faster_than_every_two_within_the_same_bound():
+    """The planner's finding at ZAYA1 scale (bench/results/plan_zaya1.md), on a small stage: between two
+    syncs the workers generate with the weights of a step ago, and a group started with them must be
+    trained one step sooner, so the buffer admits a batch less every other step and the pool waits."""
+    every_step, every_two = (simulate(small_stage(sync_every_steps=k), workload(), 2, steps=40) for k in (1, 2))
+    assert every_step.steps_per_hour > every_two.steps_per_hour
+    assert every_step.rollout_idle_frac < every_two.rollout_idle_frac
+    assert every_step.syncs > every_two.syncs
+    for r in (every_step, every_two):
+        assert max(r.staleness_tokens) <= 2 and r.evicted == 0
+        assert r.buffer_counts["released_batches"] == 40
+
+
 def test_instant_trainer_is_never_the_bottleneck():
     instant = Workload(lengths=ResponseLengths(60, 0.5, 256), engine=RolloutEngine(0.01, 0.001),
                        trainer=TrainerModel(1e12), prompt_tokens=20, sync_s=0.0)
