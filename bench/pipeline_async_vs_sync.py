@@ -69,7 +69,7 @@ def metric_rows(workdir: Path, mode: str) -> list[dict]:
 
 def each_mode(fn, steps: int) -> list:
     """fn(mode, steps, workdir) for each of MODES in order, in one temporary directory (one tiny model)."""
-    os.environ["PYTHONPATH"] = str(ENV_DIR)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ENV_DIR), str(ROOT)])  # actors import this tree's zrl
     from zrl.runtime_env import apply_defaults
 
     apply_defaults()

@@ -21,9 +21,9 @@ def calibrate(mode: str, steps: int, tmp: Path) -> dict:
     from zrl.plan import simulate
     from zrl.plan.calibrate import fit_workload, measured
 
-    run(mode, steps, tmp, tmp / "model")
+    run(mode, steps, tmp, tmp / "tiny-model")
     rows = metric_rows(tmp, mode)
-    recipe = recipe_for(mode, steps, tmp, tmp / "model")
+    recipe = recipe_for(mode, steps, tmp, tmp / "tiny-model")
     stage = recipe.stages[0]
     workers = recipe.resources.rollout_workers
     workload = fit_workload(rows, stage, workers)

@@ -22,7 +22,7 @@ ENTRY = "coinflip_env:CoinFlip"  # the entry's key: its environment reference
 
 
 def run(path):
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
     return subprocess.run([ZRL, "run", str(path)], capture_output=True, text=True, timeout=900, env=env)
 
 
