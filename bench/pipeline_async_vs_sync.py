@@ -1,9 +1,11 @@
 """Asynchronous vs synchronous pipeline on the same tiny RL stage: steps/minute and pool idle fractions.
 
-Both runs use the same code (zrl.pipeline), model, environment, batch and seed; only the asynchrony
-differs: async = PipelineRL (sync every 2 steps, staleness <= 2, 2 ready batches), sync = generation
-paused while the trainer steps (sync every step, staleness 0, 1 ready batch). The environment is the
-test suite's coin flip (an untrained model gets mixed rewards from it, so every step has signal).
+The runs use the same code (zrl.pipeline), model, environment, batch and seed; only the asynchrony
+differs (MODES): sync = generation paused while the trainer steps (sync every step, staleness 0, 1 ready
+batch); async = staleness <= 2, 2 ready batches, weights synced every step (zrl's default); async-every2 =
+the same with the ZAYA1-8B report's sync every 2 steps (zrl's default before the planner's finding,
+bench/results/plan_zaya1.md). The environment is the test suite's coin flip (an untrained model gets
+mixed rewards from it, so every step has signal).
 
     .venv/bin/python bench/pipeline_async_vs_sync.py [--steps 10]
 """
@@ -20,16 +22,19 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV_DIR = ROOT / "tests" / "integration" / "pipeline"
 
 
+MODES = {"sync": {"sync_every_steps": 1, "max_staleness_steps": 0, "min_ready_batches": 1},
+         "async": {"sync_every_steps": 1, "max_staleness_steps": 2, "min_ready_batches": 2},
+         "async-every2": {"sync_every_steps": 2, "max_staleness_steps": 2, "min_ready_batches": 2}}
+
+
 def recipe_for(mode: str, steps: int, workdir: Path, model_dir: Path):
-    """The tiny stage in `mode` ("async" or "sync"), running in workdir/mode."""
+    """The tiny stage in `mode` (a key of MODES), running in workdir/mode."""
     from zrl.config import parse_recipe
 
     sys.path.insert(0, str(ENV_DIR))
     from pipeline_testlib import recipe_data
 
-    asynchrony = ({"sync_every_steps": 2, "max_staleness_steps": 2, "min_ready_batches": 2} if mode == "async"
-                  else {"sync_every_steps": 1, "max_staleness_steps": 0, "min_ready_batches": 1})
-    data = recipe_data(workdir / mode, model_dir, steps=steps, **asynchrony)
+    data = recipe_data(workdir / mode, model_dir, steps=steps, **MODES[mode])
     data["stages"][0]["sampling"].update(prompts_per_batch=8, group_size=8, max_response_tokens=32)
     data["stages"][0]["checkpoint_every_steps"] = 10 * steps
     return parse_recipe(data)
@@ -63,13 +68,13 @@ def metric_rows(workdir: Path, mode: str) -> list[dict]:
 
 
 def each_mode(fn, steps: int) -> list:
-    """fn(mode, steps, workdir) for "sync" then "async", in one temporary directory (one tiny model)."""
-    os.environ["PYTHONPATH"] = str(ENV_DIR)
+    """fn(mode, steps, workdir) for each of MODES in order, in one temporary directory (one tiny model)."""
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ENV_DIR), str(ROOT)])  # actors import this tree's zrl
     from zrl.runtime_env import apply_defaults
 
     apply_defaults()
     with tempfile.TemporaryDirectory() as tmp:
-        return [fn(mode, steps, Path(tmp)) for mode in ("sync", "async")]
+        return [fn(mode, steps, Path(tmp)) for mode in MODES]
 
 
 def main() -> None:
@@ -78,9 +83,11 @@ def main() -> None:
     args = parser.parse_args()
     results = each_mode(lambda mode, steps, tmp: run(mode, steps, tmp, tmp / "tiny-model"), args.steps)
     for r in results:
-        print(f"{r['mode']:5s}: {r['steps_per_min']:6.1f} steps/min | rollout idle {100 * r['rollout_idle']:4.0f}% | "
-              f"trainer idle {100 * r['trainer_idle']:4.0f}% | max staleness {r['max_staleness']} | wall {r['wall_s']:.0f} s")
-    print(f"async / sync steps per minute: {results[1]['steps_per_min'] / results[0]['steps_per_min']:.2f}x")
+        print(f"{r['mode']:12s}: {r['steps_per_min']:6.1f} steps/min | rollout idle {100 * r['rollout_idle']:4.0f}% | "
+              f"trainer idle {100 * r['trainer_idle']:4.0f}% | max staleness {r['max_staleness']} | "
+              f"rollouts by staleness {r['staleness']} | wall {r['wall_s']:.0f} s")
+    for r in results[1:]:
+        print(f"{r['mode']} / sync steps per minute: {r['steps_per_min'] / results[0]['steps_per_min']:.2f}x")
 
 
 if __name__ == "__main__":

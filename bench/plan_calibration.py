@@ -21,9 +21,9 @@ def calibrate(mode: str, steps: int, tmp: Path) -> dict:
     from zrl.plan import simulate
     from zrl.plan.calibrate import fit_workload, measured
 
-    run(mode, steps, tmp, tmp / "model")
+    run(mode, steps, tmp, tmp / "tiny-model")
     rows = metric_rows(tmp, mode)
-    recipe = recipe_for(mode, steps, tmp, tmp / "model")
+    recipe = recipe_for(mode, steps, tmp, tmp / "tiny-model")
     stage = recipe.stages[0]
     workers = recipe.resources.rollout_workers
     workload = fit_workload(rows, stage, workers)
@@ -56,8 +56,9 @@ def main() -> None:
                            ("trainer_idle", "trainer idle")):
             print(f"  {label:13s} measured {m[key]:7.3f}  predicted {p[key]:7.3f}  error {rel(p[key], m[key])}")
         print(f"  staleness (rollouts per staleness) measured {m['staleness']}  predicted {p['staleness']}")
-    ratio = lambda side: results[1][side]["steps_per_min"] / results[0][side]["steps_per_min"]  # noqa: E731
-    print(f"async / sync: measured {ratio('measured'):.2f}x, predicted {ratio('predicted'):.2f}x")
+    for r in results[1:]:
+        ratio = lambda side: r[side]["steps_per_min"] / results[0][side]["steps_per_min"]  # noqa: E731
+        print(f"{r['mode']} / sync: measured {ratio('measured'):.2f}x, predicted {ratio('predicted'):.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """ZAYA1-8B at production scale on the planner: 128 prompts x G=16 per step, the report's warm-up
-lengths (median 17.6K, p90 30K, at most 81,920 tokens), staleness <= 2, sync every 2 steps, 16
-trainer GPUs and rollout pools of 1-5x, async vs sync. The workload is WorkloadSpec's defaults
+lengths (median 17.6K, p90 30K, at most 81,920 tokens), staleness <= 2, 16 trainer GPUs and rollout
+pools of 1-5x, async vs sync, for both weight-sync cadences (SYNC_CADENCES: every step, zrl's
+default, and every 2 steps, the report's). The workload is WorkloadSpec's defaults
 (zrl/plan/report.py; every assumption is written out in bench/results/plan_zaya1.md).
 
 Each ratio is simulated async and sync; then one 1,000-step plan is timed on one CPU core.
@@ -30,12 +31,14 @@ TRAINER_GPUS = 16
 PLAN_COUNTERS = ("received", "dropped_zero_signal", "admitted", "released", "released_batches",
                  "evicted_capacity", "evicted_stale", "buffered")
 RATIOS = (1, 2, 3, 4, 5)
+SYNC_CADENCES = (1, 2)   # asynchrony.sync_every_steps: zrl's default, the ZAYA1-8B report's
 
 
-def zaya1_stage(steps: int) -> RLStage:
-    # The schema's defaults are the ZAYA1-8B production values (128 x 16, staleness 2, sync every 2 steps,
-    # 2 ready batches, capacity 4, responses up to 81,920 tokens).
-    return RLStage(name="zaya1_rl", steps=steps, environments=[{"name": "math"}])
+def zaya1_stage(steps: int, sync_every_steps: int = 1) -> RLStage:
+    # The schema's defaults are the ZAYA1-8B production values (128 x 16, staleness 2, 2 ready batches,
+    # capacity 4, responses up to 81,920 tokens) but the sync cadence (the report's is every 2 steps).
+    return RLStage(name="zaya1_rl", steps=steps, environments=[{"name": "math"}],
+                   asynchrony={"sync_every_steps": sync_every_steps})
 
 
 def timed_plan(steps: int) -> dict:
@@ -54,6 +57,7 @@ def result_digest(r) -> str:
     """A digest of every field of a plan's result, per-step rows included; of the buffer's counters only
     those every version of the planner reports (earlier ones passed all of RolloutBuffer.counts)."""
     fields = dataclasses.asdict(r)
+    fields.pop("token_staleness", None)  # added with the per-token histogram; earlier planners lack it
     fields["buffer_counts"] = {k: fields["buffer_counts"][k] for k in PLAN_COUNTERS}
     return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
 
@@ -91,28 +95,43 @@ def main() -> None:
     if args.time:
         time_plans(args.steps, args.baseline)
         return
-    stage, spec = zaya1_stage(args.steps), WorkloadSpec()
-    w = spec.build(stage, TRAINER_GPUS)
+    spec = WorkloadSpec()
+    w = spec.build(zaya1_stage(args.steps), TRAINER_GPUS)
     print(f"trainer: {w.trainer.tokens_per_s:.3g} tokens/s (dense part) over {TRAINER_GPUS} GPUs; "
           f"engine at 128 sequences x 10K context: {w.engine.tokens_per_s(128, 128 * 10_000):.0f} tokens/s")
+    for cadence in SYNC_CADENCES:
+        sweep(zaya1_stage(args.steps, cadence), spec, args.steps, args.plot if cadence == SYNC_CADENCES[0] else None)
+    time_plans(args.timed_steps, None)
+
+
+def sweep(stage: RLStage, spec: WorkloadSpec, steps: int, plot: str | None) -> None:
+    """The ratio sweep of one stage: the table, each ratio's staleness and KV peak, the trainer's MFU at the knee."""
     points = [plan_point(stage, spec, rollout_gpus=r * TRAINER_GPUS, trainer_gpus=TRAINER_GPUS,
-                         gpus_per_rollout_worker=1, steps=args.steps) for r in RATIOS]
-    print(f"\n== {args.steps} steps ==\n{format_sweep(points)}")
+                         gpus_per_rollout_worker=1, steps=steps) for r in RATIOS]
+    cadence = stage.asynchrony.sync_every_steps
+    print(f"\n== {steps} steps, weight sync every {cadence} step(s) ==\n{format_sweep(points)}")
     for p in points:
         a = p.async_result
-        print(f"  ratio {p.ratio:g}: staleness of trained tokens "
-              f"{ {k: round(v, 3) for k, v in a.staleness_tokens.items()} }, evicted {a.evicted}, "
+        print(f"  ratio {p.ratio:g}: staleness of trained tokens by their rollout's oldest token "
+              f"{ {k: round(v, 3) for k, v in a.staleness_tokens.items()} }, by their own version "
+              f"{ {k: round(v, 3) for k, v in a.token_staleness.items()} }, evicted {a.evicted} of "
+              f"{a.buffer_counts['admitted']} admitted, syncs {a.syncs}, "
               f"peak KV tokens/worker {a.peak_kv_tokens_per_worker:.3g}, sync mode: "
               f"{p.sync_result.steps_per_hour:.2f} steps/h")
-    print(f"plot: {plot_sweep(points, args.plot, 'ZAYA1-8B, 16 trainer H100s')}")
+    if plot:
+        print(f"plot: {plot_sweep(points, plot, 'ZAYA1-8B, 16 trainer H100s')}")
     best = knee(points)
     for mfu in (0.15, 0.40):
         p = plan_point(stage, spec.model_copy(update={"trainer_mfu": mfu}), rollout_gpus=int(best.ratio * TRAINER_GPUS),
-                       trainer_gpus=TRAINER_GPUS, gpus_per_rollout_worker=1, steps=args.steps)
+                       trainer_gpus=TRAINER_GPUS, gpus_per_rollout_worker=1, steps=steps)
         print(f"MFU {mfu:.0%} at ratio {best.ratio:g}: async {p.async_result.steps_per_hour:.2f} steps/h, sync "
               f"{p.sync_result.steps_per_hour:.2f}, speedup {p.speedup:.2f}x, trainer idle "
               f"{100 * p.async_result.trainer_idle_frac:.0f}%")
-    time_plans(args.timed_steps, None)
+    for sync_s in (30.0, 60.0):
+        p = plan_point(stage, spec.model_copy(update={"sync_s": sync_s}), rollout_gpus=3 * TRAINER_GPUS,
+                       trainer_gpus=TRAINER_GPUS, gpus_per_rollout_worker=1, steps=steps)
+        print(f"sync {sync_s:g} s at ratio 3: async {p.async_result.steps_per_hour:.2f} steps/h, sync "
+              f"{p.sync_result.steps_per_hour:.2f}, speedup {p.speedup:.2f}x")
 
 
 if __name__ == "__main__":

@@ -50,11 +50,13 @@ capacity, and never below min_ready_batches·b while the trainer still waits to 
 step, so the trainer can always get a batch (no deadlock). Workers may start limit - buffered -
 in_flight more groups. The floor only binds when min_ready_batches > s_max - lag + 1 (lag = t - w); with
 the steady-state lag <= sync_every_steps - 1 (weights reach the workers promptly) it never binds when
-min_ready_batches <= max_staleness_steps - sync_every_steps + 2 (true for the ZAYA1 values 2, 2, 2 and
-for synchronous mode 1, 0, 1). Workers that respect the credit never cause a capacity eviction, and
-when groups finish in the order they were started no group goes stale either. A group that finishes
-after a later-started one may miss the last pull its version allows (the trainer does not wait for
-it); it is then evicted as stale — pacing reduces waste, the eviction is the guarantee.
+min_ready_batches <= max_staleness_steps - sync_every_steps + 2 (true for zrl's defaults 2, 2, 1, the
+ZAYA1-8B report's 2, 2, 2 and synchronous mode's 1, 0, 1). A lag also shrinks the limit by a batch per
+step: weights synced every step keep the workers' version at the trainer step at every credit question.
+Workers that respect the credit never cause a capacity eviction, and when groups finish in the order
+they were started no group goes stale either. A group that finishes after a later-started one may miss
+the last pull its version allows (the trainer does not wait for it); it is then evicted as stale —
+pacing reduces waste, the eviction is the guarantee.
 
 Resume: `state_dict` keeps counters, the frontier and its pending observations, the trainer step,
 the staleness histogram and the prompt ledger. Buffered groups are not saved (they hold token, logprob and routing arrays

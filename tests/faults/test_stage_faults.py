@@ -31,7 +31,8 @@ def ray_session():
 
     import ray
 
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), str(PIPELINE)])
+    caller = filter(None, [os.environ.get("PYTHONPATH")])  # e.g. the tree under test
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), str(PIPELINE), *caller])
     apply_defaults()
     ray.init(num_cpus=2, include_dashboard=False)
     yield ray

@@ -144,8 +144,8 @@ def knee(points: list[PlanPoint]) -> PlanPoint:
     return min((p for p in points if p.async_result.steps_per_hour >= KNEE_FRACTION * best), key=lambda p: p.ratio)
 
 
-def _staleness(result: PlanResult) -> str:
-    return " ".join(f"{k}:{100 * v:.0f}%" for k, v in result.staleness_tokens.items())
+def _staleness(histogram: dict[int, float]) -> str:
+    return " ".join(f"{k}:{100 * v:.0f}%" for k, v in histogram.items())
 
 
 def point_summary(point: PlanPoint) -> dict:
@@ -168,8 +168,10 @@ def format_point(point: PlanPoint) -> str:
     for r in (point.async_result, point.sync_result):
         c = r.buffer_counts
         lines.append(f"{r.mode:6s}{r.steps_per_hour:10.2f}{100 * r.rollout_idle_frac:13.0f}%"
-                     f"{100 * r.trainer_idle_frac:13.0f}%{r.evicted:9d}{c['dropped_zero_signal']:9d}  {_staleness(r)}")
+                     f"{100 * r.trainer_idle_frac:13.0f}%{r.evicted:9d}{c['dropped_zero_signal']:9d}  {_staleness(r.staleness_tokens)}")
     a = point.async_result
+    lines.append(f"(staleness by the rollout's oldest token, which the bound limits; async by each token's own "
+                 f"version: {_staleness(a.token_staleness)})")
     lines.append(f"async / sync: {point.speedup:.2f}x; {a.workers_used} of {a.rollout_workers} rollout workers were "
                  f"given groups; peak KV tokens per worker {a.peak_kv_tokens_per_worker:.3g}")
     if a.peak_kv_tokens_per_worker > point.kv_capacity_tokens:

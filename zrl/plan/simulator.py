@@ -18,9 +18,11 @@ What is modelled, and how:
   step time depends on the running sequences and their KV tokens (workload.RolloutEngine), constant
   between two sequence ends (KV tokens as at the segment's start). The trajectory (every sequence's end
   time) is computed when groups join the engine or it starts again after waiting (a sync); a round that
-  starts no group continues it. A sequence's tokens carry the version its engine held at its start.
+  starts no group continues it. A token carries the version its engine held when it was decoded (syncs
+  are in place); a group's oldest, its engine's at its start, is the version the buffer's queue knows it by.
 - A weight sync is one collective: it starts when the trainer and every worker are free (a worker
-  after its current round), takes `sync_s`, and the trainer ranks train nothing meanwhile.
+  after its current round), takes `sync_s`, and the trainer ranks train nothing meanwhile: a step
+  released while a sync waits for workers starts when the sync ends (the ranks run calls in order).
 - A group is its response lengths and the version its tokens carry: all the queue's rules read (it
   knows a group by its version), and all the trainer's step time needs. The buffer's scoring is not
   run, since simulated responses have no rewards: of what it decides, only its zero-signal drop
@@ -55,9 +57,12 @@ EPS = 1e-9
 
 @dataclass(slots=True)
 class _Group:
-    policy_version: int       # of every token (its engine's when it started)
+    policy_version: int       # of its oldest tokens (its engine's when it started)
     lengths: np.ndarray       # [G] response tokens
     tokens: int               # their sum
+    engine: _Engine           # where it runs: later tokens carry the versions of its syncs
+    start_progress: float     # the engine's progress when it started
+    first_sync: int           # the engine's syncs before it started
 
 
 class _Engine:
@@ -85,6 +90,8 @@ class _Engine:
         self.event = 0                        # token of its live round-end event
         self.event_time = math.inf
         self.sync_ready: float | None = None  # when it joined the pending sync
+        self.sync_progress: list[float] = []  # the progress at each sync (decoding waits during one)
+        self.sync_versions: list[int] = []    # the version each sync brought
 
     @property
     def empty_at(self) -> float:
@@ -177,7 +184,9 @@ class PlanResult:
     rollout_idle_frac: float           # mean of the per-step windows after the first
     trainer_idle_frac: float
     staleness_rollouts: dict[int, int]      # released rollouts per staleness (the buffer's histogram)
-    staleness_tokens: dict[int, float]      # fraction of trained response tokens per staleness
+    staleness_tokens: dict[int, float]      # fraction of trained response tokens per staleness (of their rollout)
+    token_staleness: dict[int, float]       # ... per staleness of each token's own version (the bound is on the
+                                            # rollout's oldest; in-place syncs give later tokens newer versions)
     buffer_counts: dict[str, int]
     groups_started: int
     groups_in_flight: int              # at the end: started, neither admitted nor lost
@@ -189,6 +198,19 @@ class PlanResult:
     @property
     def evicted(self) -> int:
         return self.buffer_counts["evicted_stale"] + self.buffer_counts["evicted_capacity"]
+
+
+def _tokens_by_version(group: _Group) -> list[tuple[int, float]]:
+    """(policy version, response tokens) of a finished group: a token carries the version its engine held
+    when it was decoded (progress p0 + i for the i-th token of each sequence)."""
+    e = group.engine
+    marks = e.sync_progress[group.first_sync:]
+    if not marks or marks[0] >= group.start_progress + group.lengths.max():
+        return [(group.policy_version, group.tokens)]
+    decoded = np.clip(np.array(marks)[:, None] - group.start_progress, 0, group.lengths).sum(axis=1)  # [K]
+    counts = np.diff(np.concatenate([[0.0], decoded, [group.tokens]]))     # tokens between the syncs
+    versions = [group.policy_version, *e.sync_versions[group.first_sync:]]
+    return [(v, float(n)) for v, n in zip(versions, counts) if n > 0]
 
 
 def synchronous_variant(stage: RLStage) -> RLStage:
@@ -224,12 +246,15 @@ class _Simulation:
         self.trainer_free = 0.0
         self.release_t = 0.0
         self.sync_version: int | None = None   # the policy version the pending sync sends
+        self.sync_waiting = False       # a sync started and waits for workers to end their rounds
+        self.deferred_step_s: float | None = None  # a released step queued behind that sync on the ranks
         self.syncs = 0
         self.rows: list[StepRow] = []
         self.window_start = 0.0
         self.busy_before = 0.0          # rollout busy seconds before the current window
         self.peak_kv = 0.0
         self.staleness_tokens: dict[int, float] = {}
+        self.token_staleness: dict[int, float] = {}
         self.staleness_rollouts = dict.fromkeys(range(a.max_staleness_steps + 1), 0)
 
     # ------------------------------------------------------------------ events
@@ -281,7 +306,8 @@ class _Simulation:
             first = self.groups_started
             all_lengths = self.workload.lengths.sample(self.rng, new * self.group_size).reshape(new, self.group_size)
             for i, tokens in enumerate(all_lengths.sum(axis=1).tolist()):
-                self.groups[first + i] = _Group(e.policy_version, all_lengths[i], tokens)
+                self.groups[first + i] = _Group(e.policy_version, all_lengths[i], tokens, e, e.progress,
+                                                len(e.sync_progress))
             self.groups_started += new
             e.draws += 1
             e.groups_in_engine += new
@@ -367,13 +393,18 @@ class _Simulation:
         for group in groups:
             staleness = step - group.policy_version
             self.staleness_tokens[staleness] = self.staleness_tokens.get(staleness, 0.0) + group.tokens
+            for version, tokens in _tokens_by_version(group):
+                self.token_staleness[step - version] = self.token_staleness.get(step - version, 0.0) + tokens
             self.staleness_rollouts[staleness] += self.group_size
             response_tokens += group.tokens
         self.release_t = t
-        start = max(t, self.trainer_free)
         response = np.concatenate([group.lengths for group in groups])  # [N_seq]
-        self.trainer_free = start + self.workload.trainer.step_s(response + self.workload.prompt_tokens)
+        step_s = self.workload.trainer.step_s(response + self.workload.prompt_tokens)
         self.last_batch = (step - min(group.policy_version for group in groups), response_tokens)
+        if self.sync_waiting:  # the ranks run the sync's collective first (calls run in order on an actor)
+            self.deferred_step_s = step_s
+            return
+        self.trainer_free = max(t, self.trainer_free) + step_s
         self._push(self.trainer_free, "trained")
 
     def _on_trained(self, t: float) -> None:
@@ -394,6 +425,7 @@ class _Simulation:
         s = self.schedule
         self.sync_version = request.policy_version
         self.sync_trainer_ready = max(t, self.trainer_free)
+        self.sync_waiting = True
         for w, e in enumerate(self.engines):
             if s.workers[w].in_round:
                 e.sync_ready = None
@@ -407,6 +439,11 @@ class _Simulation:
             return
         done = max([self.sync_trainer_ready] + [e.sync_ready for e in self.engines]) + self.workload.sync_s
         self.trainer_free = done
+        self.sync_waiting = False
+        if self.deferred_step_s is not None:
+            self.trainer_free += self.deferred_step_s
+            self.deferred_step_s = None
+            self._push(self.trainer_free, "trained")
         for e in self.engines:
             e.sync_ready = math.inf   # joined; cleared when the sync ends
         self._push(done, "synced")
@@ -416,6 +453,8 @@ class _Simulation:
         s.take(TrainerSynced())
         for w, e in enumerate(self.engines):
             e.policy_version = self.sync_version
+            e.sync_progress.append(e.progress)
+            e.sync_versions.append(self.sync_version)
             e.sync_ready = None
             s.take(WorkerSynced(w, self.sync_version))
         self.syncs += 1
@@ -436,6 +475,7 @@ class _Simulation:
             trainer_idle_frac=float(np.mean([r.trainer_idle_frac for r in steady])),
             staleness_rollouts=self.staleness_rollouts,
             staleness_tokens={k: v / total for k, v in sorted(self.staleness_tokens.items())},
+            token_staleness={k: v / total for k, v in sorted(self.token_staleness.items())},
             buffer_counts=self._counts(), groups_started=self.groups_started,
             groups_in_flight=in_engines + self.schedule.verifying, syncs=self.syncs,
             peak_kv_tokens_per_worker=self.peak_kv, workers_used=sum(e.draws > 0 for e in self.engines),

@@ -20,7 +20,7 @@ def recipe_data(tmp_path, model_dir, steps=STEPS, evaluation=None, **asynchrony)
             "sampling": {"prompts_per_batch": 4, "group_size": 4, "max_prompt_tokens": 48, "max_response_tokens": 8},
             "algorithm": {"length_reward": {"enabled": False}, "canaries": {"lz77": {"enabled": False}}},
             "optimizer": {"muon": {"lr": 1e-3}},
-            "asynchrony": {"sync_every_steps": 2, "max_staleness_steps": 2, "min_ready_batches": 2,
+            "asynchrony": {"sync_every_steps": 1, "max_staleness_steps": 2, "min_ready_batches": 2,
                            "buffer_capacity_batches": 4, **asynchrony},
         }],
     }

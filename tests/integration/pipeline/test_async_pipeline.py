@@ -22,7 +22,7 @@ ENTRY = "coinflip_env:CoinFlip"  # the entry's key: its environment reference
 
 
 def run(path):
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
     return subprocess.run([ZRL, "run", str(path)], capture_output=True, text=True, timeout=900, env=env)
 
 
@@ -90,7 +90,7 @@ def test_weights_sync_over_the_collective_group(async_run):
     _, rows, log = async_run
     assert "weight sync: gloo group" in log
     assert all(r["sync/collective"] == 1 for r in rows)
-    assert rows[-1]["sync/count"] >= 1 + STEPS // 2 - 1  # the stage's first sync and every 2nd step but the last
+    assert rows[-1]["sync/count"] >= STEPS  # the stage's first sync and every step but the last
     assert all(r["sync/bytes"] > 0 for r in rows)
 
 

@@ -10,6 +10,7 @@ def recipe(kind="rl", **evaluation) -> dict:
              "evaluation": {"prompts": 8, "max_response_tokens": 16, **evaluation}}
     if kind == "rl":
         stage["sampling"] = {"max_response_tokens": 32}
+        stage["asynchrony"] = {"sync_every_steps": 2}  # every_steps must be a multiple of it
     return {"name": "r", "model": {"path": "m"}, "output_dir": "out", "stages": [stage]}
 
 

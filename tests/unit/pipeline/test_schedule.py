@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from zrl.buffer import BatchQueue
+from zrl.config.schema import Asynchrony
 from zrl.pipeline import schedule as protocol
 from zrl.pipeline.schedule import (REQUEST_TYPES, AskBatch, AskCredit, BatchAnswer, CreditAnswer, GroupAdmitted,
                                    GroupHandedOn, LaunchRound, RoundDone, StageSchedule, StartSync, StepDone,
@@ -106,6 +108,30 @@ def test_weights_sync_every_k_steps_but_not_after_the_last():
             synced(s, s.trainer_step)
     assert due == [False, True, False, False]
     assert s.trainer_step == 4
+
+
+@pytest.mark.parametrize("sync_every, windows", [(1, [3, 3, 3, 3]), (2, [3, 2, 3, 2])])
+def test_the_admission_window_after_each_step_follows_the_sync_cadence(sync_every, windows):
+    """The batches the buffer lets be queued or in flight when the workers ask for credit after each
+    step (staleness <= 2): a group started with weights one step old must be trained one step sooner,
+    so between two syncs every 2 steps the window is a batch smaller (the planner's finding,
+    bench/results/plan_zaya1.md); syncing every step keeps it at max_staleness_steps + 1."""
+    queue = BatchQueue(Asynchrony(sync_every_steps=sync_every, max_staleness_steps=2), prompts_per_batch=4)
+    s = schedule(steps=4, sync_every=sync_every)
+    s.start()
+    synced(s, 0)
+    seen = []
+    while not s.done:
+        requests = s.next_requests()
+        [ask] = [r for r in requests if isinstance(r, AskCredit)]
+        queue.set_trainer_step(s.trainer_step)
+        seen.append(queue.queue_limit(ask.generating_version) // 4)
+        assert s.take(CreditAnswer(0)) == []
+        assert AskBatch(s.trainer_step) in requests
+        s.take(BatchAnswer(released=True))
+        if s.take(StepDone()):
+            synced(s, s.trainer_step)
+    assert seen == windows
 
 
 def test_synchronous_mode_starts_no_group_while_a_step_trains_or_weights_sync():

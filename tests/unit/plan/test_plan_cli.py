@@ -66,8 +66,8 @@ def test_bad_workload(capsys, tmp_path, text, fragments):
 
 
 NODE_TABLE = (  # README "One 8-GPU node": (rollout GPUs, trainer GPUs, prompts per batch, async, sync)
-    (5, 2, 16, "5.94", "4.30"), (11, 4, 32, "6.66", "3.96"), (23, 8, 64, "5.84", "3.87"),
-    (44, 16, 128, "5.57", "3.61"))
+    (5, 2, 16, "7.74", "4.30"), (11, 4, 32, "7.70", "3.96"), (23, 8, 64, "7.62", "3.87"),
+    (44, 16, 128, "7.28", "3.61"))
 
 
 def test_the_readme_quotes_what_plan_prints_for_the_node_recipe(capsys):
@@ -82,4 +82,4 @@ def test_the_readme_quotes_what_plan_prints_for_the_node_recipe(capsys):
         row = f"| {rollout} : {trainer} "
         assert any(line.startswith("| ") and row in line and f"{async_rate} ({sync_rate})" in line
                    for line in readme.splitlines()), row
-    assert "prints 5.94 steps/hour asynchronous, 4.30 synchronous" in readme
+    assert "prints 7.74 steps/hour asynchronous, 4.30 synchronous" in readme

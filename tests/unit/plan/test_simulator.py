@@ -84,11 +84,48 @@ def test_sync_mode_trains_no_stale_token():
     assert r.syncs == 20  # the first sync, then after every step but the last
 
 
+def test_a_groups_tokens_carry_the_versions_of_the_syncs_they_were_decoded_after():
+    from zrl.plan.simulator import _Engine, _Group, _tokens_by_version
+
+    e = _Engine()
+    e.sync_progress, e.sync_versions = [4.0, 12.0, 22.0], [1, 3, 4]   # the first sync was before the group
+    group = _Group(policy_version=1, lengths=np.array([5, 20]), tokens=25, engine=e, start_progress=10.0,
+                   first_sync=1)
+    # 2 tokens of each sequence before progress 12, then 3 + 10 until 22, then the long one's last 8
+    assert _tokens_by_version(group) == [(1, 4.0), (3, 13.0), (4, 8.0)]
+    e.sync_progress.append(40.0)   # a sync after the group ended changes nothing
+    e.sync_versions.append(5)
+    assert _tokens_by_version(group) == [(1, 4.0), (3, 13.0), (4, 8.0)]
+
+
+def test_tokens_are_fresher_than_their_rollouts_oldest_token():
+    r = simulate(small_stage(), workload(), 2, steps=30)
+    for histogram in (r.staleness_tokens, r.token_staleness):
+        assert sum(histogram.values()) == pytest.approx(1.0) and max(histogram) <= 2
+    mean = lambda histogram: sum(k * v for k, v in histogram.items())  # noqa: E731
+    assert mean(r.token_staleness) < mean(r.staleness_tokens)
+    sync = simulate(synchronous_variant(small_stage()), workload(), 2, steps=10)
+    assert sync.token_staleness == {0: 1.0}
+
+
 def test_async_staleness_is_bounded_and_used():
     r = simulate(small_stage(max_staleness_steps=2, sync_every_steps=2), workload(), 2, steps=30)
     assert max(r.staleness_tokens) <= 2
     assert r.staleness_tokens.get(1, 0) > 0
     assert sum(r.staleness_rollouts.values()) == 30 * 8 * 4
+
+
+def test_syncing_every_step_trains_faster_than_every_two_within_the_same_bound():
+    """The planner's finding at ZAYA1 scale (bench/results/plan_zaya1.md), on a small stage: between two
+    syncs the workers generate with the weights of a step ago, and a group started with them must be
+    trained one step sooner, so the buffer admits a batch less every other step and the pool waits."""
+    every_step, every_two = (simulate(small_stage(sync_every_steps=k), workload(), 2, steps=40) for k in (1, 2))
+    assert every_step.steps_per_hour > every_two.steps_per_hour
+    assert every_step.rollout_idle_frac < every_two.rollout_idle_frac
+    assert every_step.syncs > every_two.syncs
+    for r in (every_step, every_two):
+        assert max(r.staleness_tokens) <= 2 and r.evicted == 0
+        assert r.buffer_counts["released_batches"] == 40
 
 
 def test_instant_trainer_is_never_the_bottleneck():
