@@ -69,7 +69,7 @@ def test_an_evaluation_goes_with_the_next_row_and_what_no_row_carried_is_logged_
     schedule = StageSchedule(num_workers=2, trainer_step=3, end_step=6, prompts_per_batch=2,
                              sync_every_steps=2, synchronous=False)
     report = SimpleNamespace(policy_version=2, seconds=1.0,
-                             results=(("e", SimpleNamespace(accuracy=0.5, mean_response_tokens=10.0)),))
+                             results=(("e", SimpleNamespace(accuracy=0.5, mean_response_tokens=10.0, metadata_means={})),))
     reporter.evaluated(report, worker=0)
     reporter.step(time.perf_counter(), schedule, {}, {}, {}, [{"e": {"timeouts": 1.0}}, {"e": {"timeouts": 2.0}}])
     step, row = rows[0]
