@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zrl.config.schema import Recipe, RLStage, SFTStage
+from zrl.env.episode import transcript_problem
 
 SAMPLE_SIZE = 2
 SAMPLE_SEED = 0
@@ -382,9 +383,15 @@ def _demonstrations(stage: SFTStage, where: str, env, spec, entry: str, prompts,
             findings.problems.append((entry, f"{spec.name!r} has no demonstrations (demonstration() returned None): "
                                              "it cannot feed an sft stage"))
             return
+        if isinstance(demo, list):  # a multi-turn transcript: its messages' text is a lower bound of its tokens
+            problem = transcript_problem(demo)
+            if problem:
+                findings.problems.append((entry, f"{spec.name!r}: demonstration(): {problem}"))
+                return
+            demo = "".join(m["content"] for m in demo)
         if not isinstance(demo, str):
             findings.problems.append((entry, f"{spec.name!r}: demonstration() returned a {type(demo).__name__}, "
-                                             "not a str"))
+                                             "not a str or a list of chat messages"))
             return
         lengths.append(tokenizer.count(demo))
     if lengths and None not in lengths and min(lengths) >= stage.max_sequence_tokens:

@@ -60,4 +60,18 @@ class EpisodicEnvironment(Environment):
         """A new episode on `prompt` (whose messages open the conversation)."""
 
 
-__all__ = ["Episode", "EpisodicEnvironment", "Turn"]
+def transcript_problem(demonstration) -> str | None:
+    """Why a multi-turn demonstration (`Environment.demonstration` returning messages) cannot be trained on,
+    or None: it is a list of {"role", "content"} messages with string values that starts and ends with the
+    assistant's (the policy's turns; the other roles are the environment's replies)."""
+    if not isinstance(demonstration, list) or not all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in demonstration):
+        return 'a multi-turn demonstration is a list of {"role": str, "content": str} messages'
+    roles = [m["role"] for m in demonstration]
+    if not roles or roles[0] != "assistant" or roles[-1] != "assistant":
+        return f"a multi-turn demonstration starts and ends with an assistant message, got roles {roles}"
+    return None
+
+
+__all__ = ["Episode", "EpisodicEnvironment", "Turn", "transcript_problem"]

@@ -18,6 +18,7 @@ import ray
 
 from zrl.config.schema import SFTStage
 from zrl.env.base import EnvironmentFault
+from zrl.env.episode import transcript_problem
 from zrl.pipeline.faults import StageStopped, raise_if_stop_requested, trainer_results
 from zrl.prompts import PromptSource
 
@@ -63,10 +64,9 @@ def _multi_turn_ids(messages, tokenizer, chat, end: str, env: str) -> tuple[list
     """The response ids of a multi-turn demonstration and which of them are trained: each assistant turn's
     content and end of turn (trained); between two turns, the messages of other roles (none: an empty
     reply, as a Turn without messages gets in an episode) as the reply that opens the next turn (context)."""
-    roles = [m["role"] for m in messages]
-    if not roles or roles[0] != "assistant" or roles[-1] != "assistant":
-        raise ValueError(f"environment {env!r}: a multi-turn demonstration starts and ends with an assistant "
-                         f"message, got roles {roles}")
+    problem = transcript_problem(messages)
+    if problem:
+        raise ValueError(f"environment {env!r}: {problem}")
     ids, mask, replies = [], [], []
     for message in messages:
         if message["role"] != "assistant":

@@ -66,6 +66,11 @@ class DemoRaises(Good):
         raise KeyError("answer")
 
 
+class DemoTranscriptEndsWithTool(Good):
+    def demonstration(self, prompt):
+        return [{"role": "assistant", "content": "call"}, {"role": "tool", "content": "42"}]
+
+
 class Continuous(Good):
     reward_type = "continuous"
 
@@ -298,6 +303,10 @@ CASES = [
     Case("sft-no-demonstrations", [("stages[0].environments[0]", "has no demonstrations")], edit=env(f"{PLUGIN}:Good", stage=0)),
     Case("sft-demonstration-raises", [("stages[0].environments[0]", "demonstration() raised KeyError")],
          edit=env(f"{PLUGIN}:DemoRaises", stage=0)),
+    Case("sft-demonstration-bad-transcript", [("stages[0].environments[0]", "demonstration(): a multi-turn "
+                                                "demonstration starts and ends with an assistant message, got roles "
+                                                "['assistant', 'tool']")],
+         edit=env(f"{PLUGIN}:DemoTranscriptEndsWithTool", stage=0)),
     Case("unknown-environment-typo", [("stages[1].environments[0].name", "unknown environment 'strngs'; did you mean "
                                                                           "'strings'?")], edit=env("strngs")),
     Case("builtin-unknown-option", [("stages[1].environments[0].options", "unexpected keyword argument 'colour'")],
