@@ -305,7 +305,7 @@ def cmd_ttc(args) -> int:
 
 def cmd_plan(args) -> int:
     from zrl.plan.report import (format_point, format_sweep, knee, load_workload, plan_point, plot_sweep,
-                                  point_summary)
+                                  point_summary, with_model)
 
     recipe = _load(args)
     rl_stages = [s.name for s in recipe.stages if s.kind == "rl"]
@@ -330,6 +330,18 @@ def cmd_plan(args) -> int:
     steps = args.steps or min(stage.steps, 100)
     try:
         spec = load_workload(args.workload)
+        model_dir = Path(recipe.model.path).expanduser()
+        if (model_dir / "config.json").is_file():  # a local checkpoint: the trainer's FLOP model is its own
+            from zrl.models import family_of_checkpoint
+
+            try:
+                family = family_of_checkpoint(model_dir)
+                flops = family.flop_model(family.read_config(model_dir))
+            except ValueError as exc:
+                raise ValueError(f"model.path: {model_dir / 'config.json'}: {exc}") from None
+            spec = with_model(spec, flops)
+            log.info("trainer FLOP model of %s: %.3g active parameters, %d layers", model_dir, flops.active_params,
+                     flops.num_layers)
 
         def point(rollout_gpus: int):
             return plan_point(stage, spec, rollout_gpus=rollout_gpus, trainer_gpus=trainer_gpus,

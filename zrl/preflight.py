@@ -196,7 +196,7 @@ def _model(recipe: Recipe, findings: Findings) -> tuple[_Context | None, Path | 
 
 
 def _model_config(config: Path, findings: Findings) -> _Context | None:
-    from zrl.moepp.config import ConfigError, MoEPPConfig
+    from zrl.models import get_family, model_type_of
 
     try:
         raw = json.loads(config.read_bytes())
@@ -209,10 +209,10 @@ def _model_config(config: Path, findings: Findings) -> _Context | None:
     if not isinstance(raw, dict):
         findings.problems.append(("model.path", f"{config}: expected a JSON object, got {type(raw).__name__}"))
         return None
-    try:
-        MoEPPConfig.from_hf_dict(raw)
-    except (ConfigError, TypeError, ValueError) as exc:
-        findings.problems.append(("model.path", f"{config}: not a supported zaya config: {exc}"))
+    try:  # the model family of its model_type parses it (a ConfigError is a ValueError)
+        get_family(model_type_of(raw)).parse_config(raw)
+    except (TypeError, ValueError) as exc:
+        findings.problems.append(("model.path", f"{config}: not a supported model config: {exc}"))
         return None
     tokens = raw.get("max_position_embeddings")
     if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:

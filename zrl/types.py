@@ -55,9 +55,10 @@ NO_ROUTE = 255
 class Rollout:
     """One sampled response, as the rollout engine produced it.
 
-    `routing` holds the expert id the engine chose in every MoE layer for every prompt and response
-    token ([Tp + Tr, L] uint8; the skip expert is id E; NO_ROUTE where there is no record, e.g. the last
-    sampled token, which never went through the model). `version_segments` are (response token index,
+    `routing` holds the experts the engine chose in every MoE layer for every prompt and response
+    token ([Tp + Tr, L * k] uint8, k per layer, layer-major: the model family's `ModelShape.routing_width`;
+    MoE++ is top-1 with the skip expert id E; NO_ROUTE where there is no record, e.g. the last sampled
+    token, which never went through the model). `version_segments` are (response token index,
     policy version) pairs in increasing index order: token t was sampled by the version of the last
     segment starting at or before t. The first segment starts at 0.
 
@@ -70,7 +71,7 @@ class Rollout:
     prompt_ids: np.ndarray            # [Tp] int32
     token_ids: np.ndarray             # [Tr] int32
     logprobs: np.ndarray              # [Tr] float32, behaviour logprobs of the sampled tokens
-    routing: np.ndarray | None        # [Tp + Tr, L] uint8
+    routing: np.ndarray | None        # [Tp + Tr, L * k] uint8
     version_segments: tuple[tuple[int, int], ...]
     finish_reason: str                # "stop" | "length" | "abort"
     text: str = ""                    # decoded response, what the verifier reads

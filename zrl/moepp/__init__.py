@@ -10,6 +10,7 @@ import importlib
 _EXPORTS = {
     "load_hf_checkpoint": "checkpoint", "save_hf_checkpoint": "checkpoint",
     "ConfigError": "config", "MoEPPConfig": "config", "zaya1_8b_config": "config",
+    "MoEPPFamily": "family",
     "chunked_token_logprobs": "logprobs",
     "CausalLMOutput": "model", "DecoderLayer": "model", "MoEPPForCausalLM": "model", "TokenLogprobs": "model",
     "ParameterCounts": "params", "count_parameters": "params", "optimizer_param_groups": "params",

@@ -17,7 +17,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from zrl.types import NO_ROUTE
 
@@ -70,6 +70,8 @@ class MoEPPConfig:
     pad_token_id: int | None = 0
     # Keys from `_IGNORED_KEYS` read from a checkpoint, written back verbatim on save.
     passthrough: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
+
+    model_type: ClassVar[str] = MODEL_TYPE  # the registry key (zrl.models)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

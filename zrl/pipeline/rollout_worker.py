@@ -54,8 +54,8 @@ from zrl.canaries import gibberish_fraction, rare_token_fractions
 from zrl.config.schema import RLStage
 from zrl.env.chat import ChatContinuation
 from zrl.env.episode import EpisodicEnvironment
+from zrl.models import family_of_checkpoint
 from zrl.pipeline.episodes import EpisodeOutput, EpisodeRunner, episode_verification
-from zrl.moepp.config import MoEPPConfig
 from zrl.pipeline.weight_sync import HostPeakMemory, SyncAddress, SyncGroup, drain
 from zrl.prompts import Assignment, PromptSource, build_entries
 from zrl.types import Prompt, Rollout, Verification, rollout_array_bytes, stream_group_id
@@ -174,7 +174,8 @@ class RolloutWorker:
                                     max_num_seqs=max_num_seqs, seed=engine_seed, policy_version=policy_version,
                                     prefix_caching=prefix_caching)
         self.source = PromptSource(stage.environments, seed=stream_seed)
-        self.vocab_size = MoEPPConfig.from_pretrained_dir(model_path).vocab_size
+        family = family_of_checkpoint(model_path)
+        self.vocab_size = family.shape(family.read_config(model_path)).vocab_size
         self.rare_bands = tuple(stage.algorithm.canaries.rare_token_bands)
         self._rng = np.random.default_rng(stream_seed)
         self._open: dict[str | tuple, _Open] = {}      # group id -> its samples so far

@@ -13,7 +13,7 @@ zrl.canaries, which load their torch parts eagerly); a plan is deterministic giv
 """
 
 from zrl.plan.simulator import PlanResult, simulate, synchronous_variant
-from zrl.plan.workload import ResponseLengths, RolloutEngine, TrainerModel, Workload
+from zrl.plan.workload import DecodeModel, ResponseLengths, TrainerModel, Workload
 
-__all__ = ["PlanResult", "ResponseLengths", "RolloutEngine", "TrainerModel", "Workload", "simulate",
+__all__ = ["DecodeModel", "PlanResult", "ResponseLengths", "TrainerModel", "Workload", "simulate",
            "synchronous_variant"]

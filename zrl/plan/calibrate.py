@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from zrl.config.schema import RLStage
-from zrl.plan.workload import ResponseLengths, RolloutEngine, TrainerModel, Workload
+from zrl.plan.workload import DecodeModel, ResponseLengths, TrainerModel, Workload
 
 
 def fit_workload(rows: list[dict], stage: RLStage, rollout_workers: int, round_s: float = 0.5) -> Workload:
@@ -43,7 +43,7 @@ def fit_workload(rows: list[dict], stage: RLStage, rollout_workers: int, round_s
     overhead_s = max(0.0, float(np.mean(train_call_s - col("batch/input_tokens") / rank_tokens_per_s)))
     last = rows[-1]
     return Workload(
-        lengths=lengths, engine=RolloutEngine(0.0, 1 / tokens_per_busy_s, max_running_sequences=10**9),
+        lengths=lengths, engine=DecodeModel(0.0, 1 / tokens_per_busy_s, max_running_sequences=10**9),
         trainer=TrainerModel(rank_tokens_per_s, overhead_s), prompt_tokens=prompt_tokens,
         sync_s=float(col("sync/engine_update_s").mean()),
         zero_signal_fraction=last["buffer/dropped_zero_signal"] / max(last["buffer/received"], 1), round_s=round_s,

@@ -2,7 +2,9 @@
 ratios, as tables and a throughput plot with the knee marked.
 
 `WorkloadSpec` is the workload a user writes (YAML, every field optional): its defaults are the
-ZAYA1-8B-on-H100 assumptions of bench/results/plan_zaya1.md. `build(stage, trainer_gpus)` turns it
+ZAYA1-8B-on-H100 assumptions of bench/results/plan_zaya1.md; `with_model` replaces the trainer's
+FLOP-model fields it does not set by the recipe checkpoint's (the model family's `flop_model`,
+zrl/models). `build(stage, trainer_gpus)` turns it
 into a `Workload`: the trainer's rate scales with its GPUs, response lengths are cut at the stage's
 `max_response_tokens`.
 
@@ -21,9 +23,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from zrl.config.schema import RLStage
+from zrl.models import FlopModel
 from zrl.pipeline.schedule import StageSchedule
 from zrl.plan.simulator import PlanResult, simulate, synchronous_variant
-from zrl.plan.workload import ResponseLengths, RolloutEngine, TrainerModel, Workload
+from zrl.plan.workload import DecodeModel, ResponseLengths, TrainerModel, Workload
 
 KNEE_FRACTION = 0.9
 
@@ -71,10 +74,18 @@ class WorkloadSpec(BaseModel):
         return Workload(
             lengths=ResponseLengths.from_median_p90(self.median_response_tokens, self.p90_response_tokens,
                                                     stage.sampling.max_response_tokens),
-            engine=RolloutEngine(self.decode_step_s, self.decode_per_sequence_s, self.decode_per_kv_token_s,
+            engine=DecodeModel(self.decode_step_s, self.decode_per_sequence_s, self.decode_per_kv_token_s,
                                  self.max_running_sequences),
             trainer=trainer, prompt_tokens=self.prompt_tokens, sync_s=self.sync_s,
             zero_signal_fraction=self.zero_signal_fraction, round_s=self.round_s)
+
+
+def with_model(spec: WorkloadSpec, flops: FlopModel) -> WorkloadSpec:
+    """`spec` with the trainer's FLOP model (active parameters, layers, attention width) of a model,
+    except for the fields the workload file set itself."""
+    values = {"active_params": float(flops.active_params), "layers": flops.num_layers,
+              "attention_dim": flops.attention_dim}
+    return spec.model_copy(update={k: v for k, v in values.items() if k not in spec.model_fields_set})
 
 
 def load_workload(path: str | None) -> WorkloadSpec:

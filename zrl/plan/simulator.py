@@ -15,7 +15,7 @@ What is modelled, and how:
   at the first round end after a group finished, when its engine empties, when a sync waits for it,
   or when the buffer has credit to hand out (the earliest round end of any worker takes it).
 - A running engine advances all its sequences one token per decode step (continuous batching); the
-  step time depends on the running sequences and their KV tokens (workload.RolloutEngine), constant
+  step time depends on the running sequences and their KV tokens (workload.DecodeModel), constant
   between two sequence ends (KV tokens as at the segment's start). The trajectory (every sequence's end
   time) is computed when groups join the engine or it starts again after waiting (a sync); a round that
   starts no group continues it. A token carries the version its engine held when it was decoded (syncs

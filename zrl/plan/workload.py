@@ -3,7 +3,7 @@ long a trainer step and a weight sync take.
 
 Every model is a frozen dataclass with its units in its field names; `Workload` bundles them with the
 loop's round length. Constructors state where numbers come from: `ResponseLengths.from_median_p90`
-(a published length distribution), `RolloutEngine` (a decode-step time model of continuous batching),
+(a published length distribution), `DecodeModel` (a decode-step time model of continuous batching),
 `TrainerModel.from_mfu` (model FLOPs at a stated MFU) or `.from_tokens_per_s` (a measured rate).
 
 Invariants: every time is in seconds and every rate positive; sampled response lengths lie in
@@ -57,10 +57,11 @@ class ResponseLengths:
 
 
 @dataclass(frozen=True)
-class RolloutEngine:
-    """One rollout worker's continuous batching: a decode step advances every running sequence by one
-    token and takes step_s + per_sequence_s * N + per_kv_token_s * K seconds (N running sequences, K
-    tokens in their KV caches). Decode tokens/s = N / step time: it saturates in N (at 1 /
+class DecodeModel:
+    """The decode-time model of one rollout worker's engine (continuous batching; not the engine itself,
+    serving.engine): a decode step advances every running sequence by one token and takes
+    step_s + per_sequence_s * N + per_kv_token_s * K seconds (N running sequences, K tokens in their
+    KV caches). Decode tokens/s = N / step time: it saturates in N (at 1 /
     per_sequence_s) and falls as contexts grow. The first two terms are the weight reads and the
     per-sequence compute of a memory-bound decode; the last is the attention's KV reads.
     At most `max_running_sequences` decode at once (vLLM's max_num_seqs; zrl's rollout worker sets
@@ -127,7 +128,7 @@ class Workload:
     buffer drops them); `round_s`: a rollout worker's round (zrl.pipeline.rollout_worker)."""
 
     lengths: ResponseLengths
-    engine: RolloutEngine
+    engine: DecodeModel
     trainer: TrainerModel
     prompt_tokens: int = 512
     sync_s: float = 0.0

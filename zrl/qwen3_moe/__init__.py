@@ -8,7 +8,9 @@ See zrl/qwen3_moe/README.md (public API, routing record layout). Names are expor
 import importlib
 
 _EXPORTS = {
-    "hf_state_dict": "checkpoint", "load_hf_checkpoint": "checkpoint", "save_hf_checkpoint": "checkpoint",
+    "hf_named_tensors": "checkpoint", "hf_state_dict": "checkpoint", "load_hf_checkpoint": "checkpoint",
+    "save_hf_checkpoint": "checkpoint",
+    "Qwen3MoEFamily": "family",
     "Qwen3MoEConfig": "config",
     "DecoderLayer": "model", "Qwen3MoEForCausalLM": "model", "TopKRouting": "model",
     "collect_routing": "routing", "validate_replay": "routing",

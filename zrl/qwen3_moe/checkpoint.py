@@ -96,6 +96,23 @@ def _check_keys(model: Qwen3MoEForCausalLM, state: dict[str, torch.Tensor]) -> N
                              f"{tuple(expected[name].shape)}")
 
 
+def hf_named_tensors(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One tensor of this package's state dict -> its HF key(s) and tensor(s), on the same device: a
+    fused expert tensor becomes per-expert matrices (views), anything else is renamed."""
+    match = _FUSED.match(name)
+    if match is None:
+        return [(to_hf_name(name), tensor)]
+    prefix, fused = f"model.{match.group(1)}", match.group(2)
+    out = []
+    for expert, matrix in enumerate(tensor):
+        if fused == "down_proj":  # [D, F]
+            out.append((f"{prefix}.{expert}.down_proj.weight", matrix))
+        else:  # [2F, D]: gate rows, then up rows
+            gate, up = matrix.chunk(2, dim=0)
+            out += [(f"{prefix}.{expert}.gate_proj.weight", gate), (f"{prefix}.{expert}.up_proj.weight", up)]
+    return out
+
+
 def hf_state_dict(state_dict: Mapping[str, torch.Tensor], *,
                   dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """This package's (full, unsharded) state dict -> HF keys with per-expert matrices, contiguous CPU
@@ -105,18 +122,7 @@ def hf_state_dict(state_dict: Mapping[str, torch.Tensor], *,
         t = tensor.detach()
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
-        match = _FUSED.match(name)
-        if match is None:
-            out[to_hf_name(name)] = t.to("cpu").contiguous().clone()
-            continue
-        prefix, fused = f"model.{match.group(1)}", match.group(2)
-        for expert, matrix in enumerate(t.to("cpu")):
-            if fused == "down_proj":  # [D, F]
-                out[f"{prefix}.{expert}.down_proj.weight"] = matrix.contiguous().clone()
-            else:  # [2F, D]: gate rows, then up rows
-                gate, up = matrix.chunk(2, dim=0)
-                out[f"{prefix}.{expert}.gate_proj.weight"] = gate.contiguous().clone()
-                out[f"{prefix}.{expert}.up_proj.weight"] = up.contiguous().clone()
+        out.update((key, part.to("cpu").contiguous().clone()) for key, part in hf_named_tensors(name, t))
     return out
 
 

@@ -17,7 +17,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from zrl.moepp.config import ConfigError
 from zrl.types import NO_ROUTE
@@ -66,6 +66,8 @@ class Qwen3MoEConfig:
     attention_bias: bool = False
     pad_token_id: int | None = None
     passthrough: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
+
+    model_type: ClassVar[str] = MODEL_TYPE  # the registry key (zrl.models)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -5,7 +5,8 @@ Layout of one sequence (prompt p_0..p_{Tp-1}, response y_0..y_{Tr-1}, full = p +
   targets = full[1:]         the response token y_j is the target at input position Tp - 1 + j
   loss_mask, behaviour logprobs, advantages, versions: set at positions Tp - 1 .. Tp + Tr - 2 (the loss
   mask only where the target is a token the policy sampled: rollout.policy_mask)
-  routing = rollout.routing[:Tp + Tr - 1]   ([Tp + Tr, L] recorded; its last row is never an input)
+  routing = rollout.routing[:Tp + Tr - 1]   ([Tp + Tr, L * k] recorded, k experts per token and layer,
+                                            layer-major; its last row is never an input)
 Sequences are laid end to end in plan order with `cu_seqlens` boundaries; no padding anywhere.
 The boundaries stay on the host (Python ints, what the model's layout needs); the per-token tensors
 are copied to the device asynchronously (`copy_to_device`), so building a microbatch never waits
@@ -63,7 +64,7 @@ class Microbatch:
     behaviour_logprobs: torch.Tensor  # [T] fp32, 0 off the mask
     advantages: torch.Tensor  # [T] fp32, 0 off the mask
     versions: torch.Tensor  # [T] int64 policy version that sampled the target, -1 off the mask
-    routing: torch.Tensor | None  # [T, L] uint8 recorded expert ids (NO_ROUTE = no record), None = native
+    routing: torch.Tensor | None  # [T, L * k] uint8 recorded expert ids (NO_ROUTE = no record), None = native
     num_sequences: int  # N (0 for the dummy)
 
     @property
@@ -113,13 +114,17 @@ def _response_values(layout, values) -> np.ndarray:
 
 
 def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, indices: Sequence[int], *,
-                  num_layers: int, replay: bool, device: torch.device, num_experts: int | None = None) -> Microbatch:
+                  num_layers: int, replay: bool, device: torch.device, num_experts: int | None = None,
+                  experts_per_token: int = 1, skip_class: bool = True) -> Microbatch:
     """The microbatch of batch sequences `indices` (in that order). `advantages`: [N_seq] per rollout.
 
-    With `num_experts`, the recorded expert ids are checked here, on the host, where it costs nothing
-    (ids in [0, E] or NO_ROUTE); the model only asserts it on the device."""
+    Routing records are [T, L * k] (`num_layers` L, `experts_per_token` k; the model family's
+    ModelShape). With `num_experts`, the recorded expert ids are checked here, on the host, where it
+    costs nothing (ids in [0, E] with a skip class E, [0, E) without one, or NO_ROUTE); the model only
+    asserts it on the device."""
+    width = num_layers * experts_per_token
     if not indices:
-        return dummy_microbatch(device, num_layers=num_layers if replay else None)
+        return dummy_microbatch(device, num_layers=width if replay else None)
     pairs = [(r.prompt_ids, r.token_ids) for r in rollouts]
     (ids, tgts, mask, seq), bounds, layout = _pack_tokens(pairs, indices, "sequence {i} has an empty response and cannot be packed")
     chosen = [rollouts[i] for i in indices]
@@ -139,7 +144,7 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, indices: 
 
     routing = None
     if replay:
-        rows = [_routing_rows(r, length, num_layers, i, num_experts)
+        rows = [_routing_rows(r, length, width, i, num_experts, skip_class)
                 for r, (_, length), i in zip(chosen, layout, indices)]
         routing = tensor(np.concatenate(rows), torch.uint8)
     return Microbatch(
@@ -149,20 +154,22 @@ def pack_rollouts(rollouts: Sequence[Rollout], advantages: np.ndarray, indices: 
         versions=tensor(versions, torch.int64), routing=routing, num_sequences=len(indices))
 
 
-def _routing_rows(rollout: Rollout, length: int, num_layers: int, index: int,
-                  num_experts: int | None) -> np.ndarray:
-    """[length, L] uint8 recorded ids of the input tokens; all 255 when the rollout has no record."""
+def _routing_rows(rollout: Rollout, length: int, width: int, index: int, num_experts: int | None,
+                  skip_class: bool) -> np.ndarray:
+    """[length, L * k] uint8 recorded ids of the input tokens; all 255 when the rollout has no record."""
     if rollout.routing is None:
-        return np.full((length, num_layers), NO_ROUTE, dtype=np.uint8)
-    if rollout.routing.ndim != 2 or rollout.routing.shape[1] != num_layers:
+        return np.full((length, width), NO_ROUTE, dtype=np.uint8)
+    if rollout.routing.ndim != 2 or rollout.routing.shape[1] != width:
         raise ValueError(f"rollout {index}: routing has shape {rollout.routing.shape}, the model has "
-                         f"{num_layers} MoE layers")
+                         f"{width} routing columns (MoE layers x experts per token)")
     rows = np.asarray(rollout.routing[:length])
     if num_experts is not None:
-        bad = ((rows < 0) | (rows > num_experts)) & (rows != NO_ROUTE)
+        top = num_experts if skip_class else num_experts - 1
+        bad = ((rows < 0) | (rows > top)) & (rows != NO_ROUTE)
         if bad.any():
-            raise ValueError(f"rollout {index}: recorded expert id {rows[bad][0]} is outside [0, {num_experts}] "
-                             f"(skip = {num_experts}) and is not NO_ROUTE = {NO_ROUTE}")
+            skip = f" (skip = {num_experts})" if skip_class else ""
+            raise ValueError(f"rollout {index}: recorded expert id {rows[bad][0]} is outside [0, {top}]{skip} "
+                             f"and is not NO_ROUTE = {NO_ROUTE}")
     return rows.astype(np.uint8)
 
 
@@ -188,7 +195,8 @@ def pack_sft(examples: Sequence[SFTExample], indices: Sequence[int], *, device: 
 
 
 def dummy_microbatch(device: torch.device, num_layers: int | None = None) -> Microbatch:
-    """One token, no target and no loss: a rank with nothing to compute still runs the collectives."""
+    """One token, no target and no loss: a rank with nothing to compute still runs the collectives.
+    `num_layers`: the routing record's width (L * k) when the step replays routing, else None."""
     one = torch.ones(1, dtype=torch.int64, device=device)
     return Microbatch(
         input_ids=torch.zeros(1, dtype=torch.int64, device=device), targets=-one,

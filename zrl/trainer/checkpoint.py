@@ -25,7 +25,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from zrl.moepp import BiasBalancer
+if TYPE_CHECKING:  # the router-bias controller of a model family that has one (ModelFamily.bias_balancer)
+    from zrl.moepp import BiasBalancer
 
 logger = logging.getLogger(__name__)
 

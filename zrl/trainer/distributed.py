@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -122,16 +123,19 @@ def build_mesh(device_type: str, world_size: int, hsdp_replicas: int = 1) -> Dev
                             mesh_dim_names=("replicate", "shard"))
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype) -> None:
-    """`fully_shard` every decoder layer, then the root (embedding, final norm, tied LM head).
+def shard_model(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype,
+                units: Sequence[nn.Module] | None = None) -> None:
+    """`fully_shard` every unit (the model family's `fsdp_units`; default: every decoder layer
+    `model.layers`), then the root (embedding, final norm, tied LM head).
 
     `token_logprobs` is registered as a forward method so the root's parameters are gathered when the
     trainer calls it instead of `forward` (not `hidden_states`: both call it, and the root's hooks must
     run once per pass).
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    units = list(model.layers if units is None else units)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     register_fsdp_forward_method(model, "token_logprobs")
     for module in model.modules():
@@ -146,8 +150,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype) ->
     if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
         model.set_reduce_scatter_unused_params(True)
     else:
-        for layer in model.layers:
-            layer.register_forward_pre_hook(_zero_unused_grads_in_backward)
+        for unit in units:
+            unit.register_forward_pre_hook(_zero_unused_grads_in_backward)
 
 
 def _zero_unused_grads_in_backward(layer: nn.Module, args: tuple) -> tuple:

@@ -1,4 +1,4 @@
-"""Full-weight export of the sharded policy: versioned buckets for weight sync, and HF `zaya` files.
+"""Full-weight export of the sharded policy: versioned buckets for weight sync, and HF checkpoint files.
 
 `iter_full_tensors` walks the model's parameters (tied embedding once) and buffers in module order,
 all-gathers ONE parameter at a time (`DTensor.full_tensor`) and casts it to the engine dtype;
@@ -8,8 +8,9 @@ sync announces before it streams). `iter_weight_buckets` groups the tensors into
 shards. All ranks must iterate to the end together (each gather is a collective); ranks that do not
 send weights simply drop what they gathered.
 
-Names are Hugging Face checkpoint keys (`model.<name>`, zrl.moepp.checkpoint), which the rollout
-engine's loader reads. Parameters are cast to `dtype`; buffers (the fp32 balancing biases) keep
+Names are the Hugging Face checkpoint keys the rollout engine's loader reads, from the model family's
+`hf_tensors` (zrl/models: MoE++ prefixes `model.`; Qwen3-MoE also splits a fused expert tensor into
+per-expert matrices). Parameters are cast to `dtype`; buffers (the fp32 balancing biases) keep
 their dtype, as in the HF export (zrl/moepp/README.md).
 """
 
@@ -27,8 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from zrl.config.schema import Asynchrony
-from zrl.moepp import save_hf_checkpoint
-from zrl.moepp.checkpoint import from_hf_name, to_hf_name
+from zrl.models import family_of
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +65,33 @@ def _export_dtype(tensor: torch.Tensor, is_param: bool, dtype: torch.dtype | Non
 
 
 def weight_specs(model: nn.Module, dtype: torch.dtype | None = torch.bfloat16) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(HF key, full shape, exported dtype) of every exported tensor, in export order; local, no gather."""
-    return [(to_hf_name(name), tuple(tensor.shape), _export_dtype(tensor, is_param, dtype))
-            for name, tensor, is_param in _named_tensors(model)]
+    """(HF key, full shape, exported dtype) of every exported tensor, in export order; local, no gather
+    (the family's naming runs on a meta tensor of the full shape)."""
+    family = family_of(model)
+    specs = []
+    for name, tensor, is_param in _named_tensors(model):
+        out_dtype = _export_dtype(tensor, is_param, dtype)
+        shell = torch.empty(tensor.shape, dtype=out_dtype, device="meta")
+        specs += [(key, tuple(part.shape), out_dtype) for key, part in family.hf_tensors(name, shell)]
+    return specs
+
+
+@torch.no_grad()
+def _iter_gathered(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(state-dict name, full tensor in its export dtype) one at a time; collective (each sharded
+    parameter is all-gathered when its turn comes)."""
+    for name, tensor, is_param in _named_tensors(model):
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        yield name, full.to(_export_dtype(tensor, is_param, dtype))
 
 
 @torch.no_grad()
 def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF key, full tensor) one at a time, in `weight_specs` order; collective: every rank iterates
-    to the end (each sharded parameter is all-gathered when its turn comes)."""
-    for name, tensor, is_param in _named_tensors(model):
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-        yield to_hf_name(name), full.to(_export_dtype(tensor, is_param, dtype))
+    to the end."""
+    family = family_of(model)
+    for name, full in _iter_gathered(model, dtype):
+        yield from family.hf_tensors(name, full)
 
 
 def iter_weight_buckets(model: nn.Module, *, version: int, dtype: torch.dtype | None = torch.bfloat16,
@@ -97,16 +112,17 @@ def iter_weight_buckets(model: nn.Module, *, version: int, dtype: torch.dtype | 
 
 
 def export_hf_checkpoint(model: nn.Module, path: str | Path, *, version: int, dtype: torch.dtype | None,
-                         companion_dir: str | Path | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-    """Collective: rank 0 writes config.json + safetensors (+ tokenizer files from `companion_dir`)."""
+                         companion_dir: str | Path | None = None) -> None:
+    """Collective: rank 0 writes config.json + safetensors (+ tokenizer files from `companion_dir`) with
+    the model family's `save_hf_checkpoint`; the other ranks gather with it and drop what they got."""
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     state: dict[str, torch.Tensor] = {}
-    for bucket in iter_weight_buckets(model, version=version, dtype=dtype, bucket_bytes=bucket_bytes):
+    for name, full in _iter_gathered(model, dtype):
         if is_writer:
-            state.update((from_hf_name(k), t.cpu()) for k, t in bucket.tensors)
+            state[name] = full.cpu()
     if is_writer:
         path = Path(path)
-        save_hf_checkpoint(state, path, config=model.config, dtype=dtype)
+        family_of(model).save_hf_checkpoint(state, path, config=model.config, dtype=dtype)
         if companion_dir is not None:
             for name in _COMPANION_FILES:
                 src = Path(companion_dir) / name

@@ -16,6 +16,7 @@ so two all-reduces per step make every rank's metrics those of the global batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,6 @@ import torch.distributed as dist
 from zrl.algorithms import TrustRegionStats, aggregate_loss, policy_loss
 from zrl.canaries import MismatchStats, mismatch_sums
 from zrl.canaries.mismatch import NUM_SUMS
-from zrl.moepp import routing_stats
 from zrl.moepp.logprobs import SamplingDistribution
 from zrl.trainer.batch import Microbatch
 
@@ -52,7 +52,7 @@ class MicrobatchOutput:
 def forward_logprobs(model, mb: Microbatch, *, with_entropy: bool, chunk_tokens: int | None = None,
                      sampling: SamplingDistribution | None = None):
     """log p of every target of the packed stream with router replay, under `sampling` (None: the plain
-    softmax); returns moepp's TokenLogprobs."""
+    softmax); returns the model's TokenLogprobs (zrl.moepp's type, shared by every model family)."""
     return model.token_logprobs(mb.input_ids, mb.targets, cu_seqlens=mb.cu_seqlens, routing_replay=mb.routing,
                                 with_entropy=with_entropy, chunk_tokens=chunk_tokens, sampling=sampling)
 
@@ -96,13 +96,18 @@ class StepStats:
     trainer step), where any difference is numerical mismatch alone, not policy change. Such tokens
     exist only on steps that train right after a weight sync: on the others `onpolicy_num_tokens` is 0
     and the statistics are left out (not NaN), so dashboards and the stage plots show no point there.
+
+    Expert counts are [L, C] (C = the model family's `count_classes`: E, plus a skip class for MoE++);
+    `routing_metrics` (the family's) turns the global counts into the `routing/*` load metrics.
     """
 
     def __init__(self, kind: str, *, num_layers: int, num_classes: int, device: torch.device,
-                 with_entropy: bool, replay: bool) -> None:
+                 with_entropy: bool, replay: bool,
+                 routing_metrics: Callable[[torch.Tensor], dict[str, float]] | None = None) -> None:
         if kind not in ("rl", "sft"):
             raise ValueError(f"kind must be 'rl' or 'sft', got {kind!r}")
         self.kind, self.num_layers, self.num_classes, self.device = kind, num_layers, num_classes, device
+        self.routing_metrics = routing_metrics
         sizes = {"loss": 1, "tokens": 3, "logprob_sum": 1, "expert_counts": num_layers * num_classes}
         if with_entropy:
             sizes["entropy_sum"] = 1
@@ -136,7 +141,7 @@ class StepStats:
         self._add("logprob_sum", torch.where(mask, out.logprobs.detach(), 0.0).sum())
         if "entropy_sum" in self.sums:
             self._add("entropy_sum", torch.where(mask, out.entropy.detach(), 0.0).sum())
-        self._add("expert_counts", routing.expert_counts)  # [L, E + 1] flattened
+        self._add("expert_counts", routing.expert_counts)  # [L, C] flattened
         if "replay" in self.sums and routing.replay_disagree is not None:
             self._add("replay", torch.stack([routing.replay_disagree.sum(), routing.replay_recorded.sum(),
                                              routing.replay_missing.sum()]))
@@ -171,7 +176,7 @@ class StepStats:
                 offset += n
 
     def expert_counts(self) -> torch.Tensor:
-        """[L, E + 1] int64 tokens per chosen class over the accumulated microbatches."""
+        """[L, C] int64 tokens per chosen class over the accumulated microbatches."""
         return self.sums["expert_counts"].reshape(self.num_layers, self.num_classes).round().long()
 
     def metrics(self) -> dict[str, float]:
@@ -199,11 +204,8 @@ class StepStats:
             out["routing/replay_disagree_frac"] = disagree / recorded if recorded else math.nan
             out["routing/replay_missing_frac"] = missing / (missing + recorded) if missing + recorded else math.nan
         counts = self.expert_counts()
-        if counts.sum() > 0:
-            rs = routing_stats(counts)
-            out["routing/load_entropy_mean"] = float(rs.load_entropy.mean())
-            out["routing/load_max"] = float(rs.load.max())
-            out["routing/skip_frac_mean"] = float(rs.skip_fraction.mean())
+        if self.routing_metrics is not None and counts.sum() > 0:
+            out.update(self.routing_metrics(counts))
         return out
 
 

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from zrl.models import family_of_checkpoint
 from zrl.moepp import kernels
-from zrl.moepp import BiasBalancer, MoEPPConfig, MoEPPForCausalLM, load_hf_checkpoint, optimizer_param_groups
 from zrl.optim import MuonAdamW, lr_scheduler
 from zrl.trainer import checkpoint as ckpt
 from zrl.trainer.activations import OffloadSavedTensors, configure_checkpointing
@@ -99,7 +99,9 @@ class TrainerWorker:
         backend = dist.get_backend()
         self.device = device_of_backend(backend)
         self.mesh = build_mesh(self.device.type, self.world_size, settings.hsdp_replicas)
+        self.family = family_of_checkpoint(self.model_path)  # the model contract (zrl/models)
         self.model = self._build_model()
+        self.shape = self.family.shape(self.model.config)
         self.version = 0
         self._build_optimizer()
         if settings.activation_offload and self.device.type == "cpu":
@@ -107,31 +109,31 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ set-up
 
-    def _build_model(self) -> MoEPPForCausalLM:
+    def _build_model(self) -> torch.nn.Module:
         """Build on the meta device, shard, then load the checkpoint: rank 0 reads it and broadcasts."""
-        config = MoEPPConfig.from_pretrained_dir(self.model_path)
+        config = self.family.read_config(self.model_path)
         kernels.set_backend(self.settings.kernels)
         with torch.device("meta"):
-            model = MoEPPForCausalLM(config)
+            model = self.family.build(config)
         configure_checkpointing(model, enabled=self.settings.activation_checkpointing,
                                 every_layers=self.settings.activation_checkpointing_every_layers,
                                 selective=self.settings.activation_checkpointing_selective)
-        shard_model(model, self.mesh, self.settings.torch_param_dtype)
+        shard_model(model, self.mesh, self.settings.torch_param_dtype, units=self.family.fsdp_units(model))
         model.to_empty(device=self.device)
-        full = load_hf_checkpoint(self.model_path, dtype=torch.float32).state_dict() if self.rank == 0 else {}
+        full = self.family.load_state_dict(self.model_path, dtype=torch.float32) if self.rank == 0 else {}
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         return model
 
     def _build_optimizer(self) -> None:
         s = self.settings
-        groups = optimizer_param_groups(self.model)
+        groups = self.family.optimizer_param_groups(self.model)
         self.optimizer = MuonAdamW(
             [{"params": list(groups["muon"].values()), "optimizer": "muon", "name": "hidden_matrices"},
              {"params": list(groups["adamw"].values()), "optimizer": "adamw", "name": "embed_norm_conv"}],
             muon=s.muon_hyperparams(), adamw=s.adamw_hyperparams(), distributed_mode=s.muon_mode)
         self.scheduler = lr_scheduler(self.optimizer, warmup_steps=s.optimizer.warmup_steps,
                                       schedule=s.optimizer.schedule, total_steps=s.total_steps)
-        self.bias_balancer = (BiasBalancer.for_model(self.model, lr=s.bias_balancer_lr)
+        self.bias_balancer = (self.family.bias_balancer(self.model, lr=s.bias_balancer_lr)
                               if s.algorithm.router_bias_update else None)
 
     def start_stage(self, settings: TrainerSettings, *, keep_optimizer_state: bool = False) -> None:
@@ -160,13 +162,13 @@ class TrainerWorker:
             raise ValueError(f"batch was pulled at trainer step {share.trainer_step}, the policy is at {self.version}")
         if share.rank != self.rank:
             raise ValueError(f"rank {self.rank} was given the share of rank {share.rank}")
-        s = self.settings
-        num_layers = self.model.config.num_hidden_layers
+        s, shape = self.settings, self.shape
         objective = s.objective()
 
         def build(indices):
-            return pack_rollouts(share.rollouts, share.advantages, indices, num_layers=num_layers, replay=s.replay,
-                                 device=self.device, num_experts=self.model.config.num_experts)
+            return pack_rollouts(share.rollouts, share.advantages, indices, num_layers=shape.num_layers,
+                                 experts_per_token=shape.experts_per_token, replay=s.replay, device=self.device,
+                                 num_experts=shape.num_experts, skip_class=shape.skip_class)
 
         def loss_fn(mb, stats):
             return rl_microbatch_loss(self.model, mb, objective, global_num_seqs=share.num_sequences,
@@ -212,9 +214,9 @@ class TrainerWorker:
         s = self.settings
         start = time.perf_counter()
         self._reset_peak_memory()
-        config = self.model.config
-        stats = StepStats(kind, num_layers=config.num_hidden_layers, num_classes=config.num_router_classes,
-                          device=self.device, with_entropy=s.with_entropy, replay=kind == "rl" and s.replay)
+        stats = StepStats(kind, num_layers=self.shape.num_layers, num_classes=self.shape.count_classes,
+                          device=self.device, with_entropy=s.with_entropy, replay=kind == "rl" and s.replay,
+                          routing_metrics=self.family.routing_metrics)
         offload = OffloadSavedTensors() if s.activation_offload and self.device.type != "cpu" else None
         clock = PhaseClock(self.device)
         self.model.train()
@@ -303,7 +305,7 @@ class TrainerWorker:
         return iter_weight_buckets(self.model, version=self.version, dtype=dtype, bucket_bytes=bucket_bytes)
 
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> None:
-        """Write the policy as a HF `zaya` checkpoint (rank 0 writes, tokenizer files copied)."""
+        """Write the policy as a HF checkpoint of its model_type (rank 0 writes, tokenizer files copied)."""
         export_hf_checkpoint(self.model, path, version=self.version, dtype=dtype, companion_dir=self.model_path)
 
     def shutdown(self) -> None:

@@ -5,7 +5,7 @@ import pytest
 
 from zrl.config.schema import RLStage
 from zrl.pipeline.schedule import StageSchedule
-from zrl.plan import ResponseLengths, RolloutEngine, TrainerModel, Workload, simulate, synchronous_variant
+from zrl.plan import DecodeModel, ResponseLengths, TrainerModel, Workload, simulate, synchronous_variant
 
 
 def small_stage(**asynchrony) -> RLStage:
@@ -16,7 +16,7 @@ def small_stage(**asynchrony) -> RLStage:
 
 def workload(trainer_tokens_per_s=2000.0, sync_s=0.2, zero_signal=0.1) -> Workload:
     return Workload(lengths=ResponseLengths.from_median_p90(60, 150, 256),
-                    engine=RolloutEngine(step_s=0.01, per_sequence_s=0.001), prompt_tokens=20,
+                    engine=DecodeModel(step_s=0.01, per_sequence_s=0.001), prompt_tokens=20,
                     trainer=TrainerModel(trainer_tokens_per_s, overhead_s=0.1), sync_s=sync_s,
                     zero_signal_fraction=zero_signal)
 
@@ -129,7 +129,7 @@ def test_syncing_every_step_trains_faster_than_every_two_within_the_same_bound()
 
 
 def test_instant_trainer_is_never_the_bottleneck():
-    instant = Workload(lengths=ResponseLengths(60, 0.5, 256), engine=RolloutEngine(0.01, 0.001),
+    instant = Workload(lengths=ResponseLengths(60, 0.5, 256), engine=DecodeModel(0.01, 0.001),
                        trainer=TrainerModel(1e12), prompt_tokens=20, sync_s=0.0)
     r = simulate(small_stage(), instant, 2, steps=20)
     assert r.trainer_idle_frac > 0.999
@@ -164,7 +164,7 @@ def test_lengths_fit_median_and_p90():
 
 
 def test_engine_throughput_saturates_and_falls_with_context():
-    e = RolloutEngine(step_s=0.005, per_sequence_s=3e-5, per_kv_token_s=1e-8, max_running_sequences=256)
+    e = DecodeModel(step_s=0.005, per_sequence_s=3e-5, per_kv_token_s=1e-8, max_running_sequences=256)
     rates = [e.tokens_per_s(n) for n in (1, 16, 128, 256, 1024)]
     assert rates == sorted(rates) and rates[-1] == pytest.approx(rates[-2])  # capped at 256 running
     assert e.tokens_per_s(128, kv_tokens=1e6) < e.tokens_per_s(128)
@@ -181,7 +181,7 @@ def test_an_engine_paused_and_resumed_ends_its_groups_when_a_token_by_token_deco
 
     # Without a KV term a decode step's time depends only on the running sequences, so the engine's
     # piecewise trajectory is exact; pauses that resume at once must not move it.
-    engine = RolloutEngine(step_s=0.01, per_sequence_s=0.001)
+    engine = DecodeModel(step_s=0.01, per_sequence_s=0.001)
     load = Workload(lengths=ResponseLengths(5, 0.5, 64), engine=engine, trainer=TrainerModel(1000.0))
     lengths = np.array([[3, 7, 5], [2, 9, 4], [6, 6, 1], [8, 2, 2]])
     left, steps_end, expected = lengths.copy(), [0.0], {}
