@@ -74,40 +74,12 @@ class TokenLogprobs:
     routing: RoutingInfo
 
 
-class MoEPPForCausalLM(nn.Module):
-    def __init__(self, config: MoEPPConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.input_hidden_states_scale = nn.Parameter(torch.ones(config.hidden_size))
-        self.input_hidden_states_bias = nn.Parameter(torch.zeros(config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
-        self._checkpointed: frozenset[int] = frozenset()
-        self._checkpoint_context_fn: Callable = noop_context_fn
-        self.reset_parameters()
-
-    # ------------------------------------------------------------------ set-up
-
-    @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
-        """The reference's initial values: N(0, std) matrices and experts, zero linear biases, default
-        conv init, unit norms and scales, zero key temperatures, balancing biases 0 (skip class -1)."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, SwiGLUExperts):
-                module.reset_parameters(std)
-            elif isinstance(module, (nn.Conv1d, RMSNorm, ResidualScaling, QKNorm, ZayaRouter)):
-                module.reset_parameters()
-        if self.embed_tokens.padding_idx is not None:
-            self.embed_tokens.weight[self.embed_tokens.padding_idx].zero_()
-        nn.init.ones_(self.input_hidden_states_scale)
-        nn.init.zeros_(self.input_hidden_states_bias)
+class PackedCausalLM(nn.Module):
+    """What every model of the trainer shares around its `hidden_states` (the architecture's own part):
+    per-layer activation checkpointing, the LM head's weight, full logits for tests, and per-token
+    log-probs through the chunked fp32 LM head. A subclass sets `layers`, `embed_tokens`, `lm_head` (None
+    when tied) and `_checkpoint_context_fn`/`_checkpointed`, and defines `hidden_states(input_ids, *,
+    cu_seqlens, position_ids, routing_replay) -> ([T, D] fp32, RoutingInfo)`."""
 
     def set_activation_checkpointing(self, layers: bool | Iterable[int], *,
                                      context_fn: Callable | None = None) -> None:
@@ -130,53 +102,6 @@ class MoEPPForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     # ------------------------------------------------------------------ forward passes
-
-    def hidden_states(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-        position_ids: torch.Tensor | None = None,
-        routing_replay: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, RoutingInfo]:
-        """Final-normed hidden states [T, D] fp32 (T = all tokens, [B, S] inputs flattened) + routing.
-
-        input_ids: [T] packed stream or [B, S]. cu_seqlens: [N + 1] document boundaries of the
-        flattened stream, as Python ints (no host synchronisation) or a tensor (read to the host once).
-        position_ids: same shape as input_ids; boundaries are derived from their restarts when
-        cu_seqlens is absent. routing_replay: [T, L] (or [B, S, L]) recorded expert ids, 255 = no
-        record; its ids are asserted on the device, without a host read (routing.validate_replay).
-        """
-        if input_ids.dim() not in (1, 2):
-            raise ValueError(f"input_ids must be [T] or [B, S], got shape {tuple(input_ids.shape)}")
-        ids = input_ids.reshape(-1)  # [T]
-        num_tokens = ids.shape[0]
-        if position_ids is not None and position_ids.shape != input_ids.shape:
-            raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != input_ids shape "
-                             f"{tuple(input_ids.shape)}")
-        layout = build_layout(
-            num_tokens, device=ids.device,
-            cu_seqlens=cu_seqlens, position_ids=position_ids,
-            row_length=input_ids.shape[1] if input_ids.dim() == 2 else None)
-        replay = (None if routing_replay is None else
-                  validate_replay(routing_replay, num_tokens, len(self.layers), self.config.num_experts))
-        rope = rope_cos_sin(layout.positions, self.config.rotary_dim, self.config.rope_theta)
-
-        emb = to_op_dtype(self.embed_tokens(ids), Fp32Op.RESIDUAL)  # [T, D]
-        x = ((emb + to_op_dtype(self.input_hidden_states_bias, Fp32Op.RESIDUAL))
-             * to_op_dtype(self.input_hidden_states_scale, Fp32Op.RESIDUAL))
-        router_state = None
-        outputs: list[RouterOutput] = []
-        for layer_idx, layer in enumerate(self.layers):
-            layer_replay = None if replay is None else replay[:, layer_idx]
-            if layer_idx in self._checkpointed and torch.is_grad_enabled():
-                x, routing = _checkpointed_layer(layer, x, router_state, layout, rope, layer_replay,
-                                                 self._checkpoint_context_fn)
-            else:
-                x, routing = layer(x, router_state, layout, rope, layer_replay)
-            router_state = routing.state
-            outputs.append(routing)
-        return self.norm(x), collect_routing(outputs, replay, self.config.num_router_classes)
 
     def forward(
         self,
@@ -234,6 +159,89 @@ class MoEPPForCausalLM(nn.Module):
         return TokenLogprobs(logprobs=_shaped(logprobs, input_ids.shape),
                              entropy=None if entropy is None else _shaped(entropy, input_ids.shape),
                              routing=routing)
+
+
+class MoEPPForCausalLM(PackedCausalLM):
+    def __init__(self, config: MoEPPConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.input_hidden_states_scale = nn.Parameter(torch.ones(config.hidden_size))
+        self.input_hidden_states_bias = nn.Parameter(torch.zeros(config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self._checkpointed: frozenset[int] = frozenset()
+        self._checkpoint_context_fn: Callable = noop_context_fn
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ set-up
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """The reference's initial values: N(0, std) matrices and experts, zero linear biases, default
+        conv init, unit norms and scales, zero key temperatures, balancing biases 0 (skip class -1)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, SwiGLUExperts):
+                module.reset_parameters(std)
+            elif isinstance(module, (nn.Conv1d, RMSNorm, ResidualScaling, QKNorm, ZayaRouter)):
+                module.reset_parameters()
+        if self.embed_tokens.padding_idx is not None:
+            self.embed_tokens.weight[self.embed_tokens.padding_idx].zero_()
+        nn.init.ones_(self.input_hidden_states_scale)
+        nn.init.zeros_(self.input_hidden_states_bias)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+        position_ids: torch.Tensor | None = None,
+        routing_replay: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, RoutingInfo]:
+        """Final-normed hidden states [T, D] fp32 (T = all tokens, [B, S] inputs flattened) + routing.
+
+        input_ids: [T] packed stream or [B, S]. cu_seqlens: [N + 1] document boundaries of the
+        flattened stream, as Python ints (no host synchronisation) or a tensor (read to the host once).
+        position_ids: same shape as input_ids; boundaries are derived from their restarts when
+        cu_seqlens is absent. routing_replay: [T, L] (or [B, S, L]) recorded expert ids, 255 = no
+        record; its ids are asserted on the device, without a host read (routing.validate_replay).
+        """
+        if input_ids.dim() not in (1, 2):
+            raise ValueError(f"input_ids must be [T] or [B, S], got shape {tuple(input_ids.shape)}")
+        ids = input_ids.reshape(-1)  # [T]
+        num_tokens = ids.shape[0]
+        if position_ids is not None and position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids shape {tuple(position_ids.shape)} != input_ids shape "
+                             f"{tuple(input_ids.shape)}")
+        layout = build_layout(
+            num_tokens, device=ids.device,
+            cu_seqlens=cu_seqlens, position_ids=position_ids,
+            row_length=input_ids.shape[1] if input_ids.dim() == 2 else None)
+        replay = (None if routing_replay is None else
+                  validate_replay(routing_replay, num_tokens, len(self.layers), self.config.num_experts))
+        rope = rope_cos_sin(layout.positions, self.config.rotary_dim, self.config.rope_theta)
+
+        emb = to_op_dtype(self.embed_tokens(ids), Fp32Op.RESIDUAL)  # [T, D]
+        x = ((emb + to_op_dtype(self.input_hidden_states_bias, Fp32Op.RESIDUAL))
+             * to_op_dtype(self.input_hidden_states_scale, Fp32Op.RESIDUAL))
+        router_state = None
+        outputs: list[RouterOutput] = []
+        for layer_idx, layer in enumerate(self.layers):
+            layer_replay = None if replay is None else replay[:, layer_idx]
+            if layer_idx in self._checkpointed and torch.is_grad_enabled():
+                x, routing = _checkpointed_layer(layer, x, router_state, layout, rope, layer_replay,
+                                                 self._checkpoint_context_fn)
+            else:
+                x, routing = layer(x, router_state, layout, rope, layer_replay)
+            router_state = routing.state
+            outputs.append(routing)
+        return self.norm(x), collect_routing(outputs, replay, self.config.num_router_classes)
 
 
 def _shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

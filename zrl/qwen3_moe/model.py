@@ -11,7 +11,8 @@ replay, the recorded ones); weights = p at those experts, divided by their sum w
 output = sum over the k of weight * SwiGLU_e(x). Under replay the weights are the model's own
 probabilities at the replayed experts, so the router still gets gradients.
 
-Inputs, outputs and the trainer-facing surface mirror zrl.moepp.MoEPPForCausalLM: one packed stream
+Inputs, outputs and the trainer-facing surface are zrl.moepp's (`PackedCausalLM` around this model's
+`hidden_states`): one packed stream
 [T] with `cu_seqlens` (or position ids restarting at 0) or [B, S] rows; `hidden_states`, `forward`
 (logits, or log-probs with `targets`), `token_logprobs` (the chunked fp32 LM head of zrl.moepp.logprobs,
 with the engine's SamplingDistribution), `lm_head_weight`, `layers` (the FSDP2 units),
@@ -28,7 +29,7 @@ FlashAttention launch on CUDA in bf16/fp16, exact per-document SDPA elsewhere), 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -39,8 +40,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from zrl.moepp.attention import apply_partial_rope, causal_attention, rope_cos_sin
 from zrl.moepp.blocks import RMSNorm, linear
 from zrl.moepp.experts import SwiGLUExperts
-from zrl.moepp.logprobs import SamplingDistribution, chunked_token_logprobs
-from zrl.moepp.model import CausalLMOutput, TokenLogprobs
+from zrl.moepp.model import PackedCausalLM
 from zrl.moepp.packing import PackedLayout, build_layout
 from zrl.moepp.precision import Fp32Op, to_op_dtype
 from zrl.moepp.routing import RoutingInfo
@@ -152,7 +152,7 @@ class DecoderLayer(nn.Module):
         return x + h, routing
 
 
-class Qwen3MoEForCausalLM(nn.Module):
+class Qwen3MoEForCausalLM(PackedCausalLM):
     def __init__(self, config: Qwen3MoEConfig) -> None:
         super().__init__()
         self.config = config
@@ -177,23 +177,6 @@ class Qwen3MoEForCausalLM(nn.Module):
                 module.reset_parameters()
         if self.embed_tokens.padding_idx is not None:
             self.embed_tokens.weight[self.embed_tokens.padding_idx].zero_()
-
-    def set_activation_checkpointing(self, layers: bool | Iterable[int], *,
-                                     context_fn: Callable | None = None) -> None:
-        """Checkpoint (non-reentrant) all layers (True), none (False), or the given layer indices."""
-        self._checkpoint_context_fn = context_fn or noop_context_fn
-        if isinstance(layers, bool):
-            self._checkpointed = frozenset(range(len(self.layers))) if layers else frozenset()
-        else:
-            chosen = frozenset(int(i) for i in layers)
-            if not chosen <= set(range(len(self.layers))):
-                raise ValueError(f"layer indices {sorted(chosen)} outside [0, {len(self.layers)})")
-            self._checkpointed = chosen
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        """[V, D]: the embedding matrix when tied."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def hidden_states(
         self,
@@ -231,59 +214,6 @@ class Qwen3MoEForCausalLM(nn.Module):
                 native.append(routing.native)
                 chosen.append(routing.chosen)
         return self.norm(x), collect_routing(native, chosen, replay, self.config)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        targets: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-        position_ids: torch.Tensor | None = None,
-        routing_replay: torch.Tensor | None = None,
-        with_entropy: bool = False,
-        chunk_tokens: int | None = None,
-        sampling: SamplingDistribution | None = None,
-    ) -> CausalLMOutput | TokenLogprobs:
-        """Without `targets`: full fp32 logits ([T, V] or [B, S, V]), for tests and small inputs.
-        With `targets`: per-token log-probabilities, as `token_logprobs` returns them (FSDP2 root hooks run)."""
-        if targets is not None:
-            return self.token_logprobs(input_ids, targets, cu_seqlens=cu_seqlens, position_ids=position_ids,
-                                       routing_replay=routing_replay, with_entropy=with_entropy,
-                                       chunk_tokens=chunk_tokens, sampling=sampling)
-        hidden, routing = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids,
-                                             routing_replay=routing_replay)
-        logits = hidden @ to_op_dtype(self.lm_head_weight, Fp32Op.LM_HEAD).t()  # [T, V]
-        return CausalLMOutput(logits=_shaped(logits, (*input_ids.shape, -1)), routing=routing)
-
-    def token_logprobs(
-        self,
-        input_ids: torch.Tensor,
-        targets: torch.Tensor,
-        *,
-        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-        position_ids: torch.Tensor | None = None,
-        routing_replay: torch.Tensor | None = None,
-        with_entropy: bool = False,
-        chunk_tokens: int | None = None,
-        sampling: SamplingDistribution | None = None,
-    ) -> TokenLogprobs:
-        """log p(targets[t] | tokens <= t of its document), shaped like input_ids, fp32, differentiable
-        (targets < 0: no target). [T, V] logits are never materialised (zrl.moepp.logprobs)."""
-        if targets.shape != input_ids.shape:
-            raise ValueError(f"targets shape {tuple(targets.shape)} != input_ids shape {tuple(input_ids.shape)}")
-        hidden, routing = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids,
-                                             routing_replay=routing_replay)
-        logprobs, entropy = chunked_token_logprobs(hidden, self.lm_head_weight, targets.reshape(-1),
-                                                   chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-                                                   sampling=sampling)
-        return TokenLogprobs(logprobs=_shaped(logprobs, input_ids.shape),
-                             entropy=None if entropy is None else _shaped(entropy, input_ids.shape),
-                             routing=routing)
-
-
-def _shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """`t` in the input's layout; a copy rather than a view when reshaped (FSDP2 warns on returned views)."""
-    return t if t.dim() == len(shape) else t.reshape(shape).clone()
 
 
 def _checkpointed_layer(layer: DecoderLayer, x: torch.Tensor, layout: PackedLayout, rope: Rope,
