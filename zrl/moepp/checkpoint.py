@@ -147,10 +147,15 @@ def save_hf_checkpoint(
         if config is None:
             raise ValueError("saving a state dict needs its config")
         state = dict(model_or_state)
-    tensors = hf_state_dict(state, dtype=dtype)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config.save_json(path)
+    save_safetensors(hf_state_dict(state, dtype=dtype), path, max_shard_bytes)
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, max_shard_bytes: int | None) -> None:
+    """`tensors` (HF names) as safetensors in `path`: one file, or shards with an index when larger than
+    `max_shard_bytes` (the layout transformers reads); shared by every architecture's checkpoints."""
     shards = _split_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], path / SINGLE_FILE, metadata={"format": "pt"})

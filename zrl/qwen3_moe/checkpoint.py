@@ -14,16 +14,13 @@ shapes (missing, unexpected, incomplete or mis-shaped experts raise).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from zrl.moepp.checkpoint import (INDEX_FILE, SINGLE_FILE, _split_shards, from_hf_name, iter_checkpoint_tensors,
-                                  to_hf_name)
+from zrl.moepp.checkpoint import from_hf_name, iter_checkpoint_tensors, save_safetensors, to_hf_name
 from zrl.qwen3_moe.config import Qwen3MoEConfig
 from zrl.qwen3_moe.model import Qwen3MoEForCausalLM
 
@@ -145,20 +142,7 @@ def save_hf_checkpoint(
         if config is None:
             raise ValueError("saving a state dict needs its config")
         state = dict(model_or_state)
-    tensors = hf_state_dict(state, dtype=dtype)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config.save_json(path)
-    shards = _split_shards(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        save_file(shards[0], path / SINGLE_FILE, metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, path / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": dict(sorted(weight_map.items()))}
-    with open(path / INDEX_FILE, "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2)
+    save_safetensors(hf_state_dict(state, dtype=dtype), path, max_shard_bytes)
