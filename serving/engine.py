@@ -16,8 +16,8 @@ refused for that reason.
 Invariants:
 - A generated token's version is the engine's version during the step that sampled it; versions are
   stored as segments (first token index, version), one per change.
-- `routing` is [Tp + Tr, W] uint8, W = `routing_width`: zaya W = L, one expert per MoE layer with the skip
-  expert as id E; qwen3_moe W = L * k, layer-major (layer l owns columns l*k .. l*k + k - 1, the k ids in
+- `routing` is [Tp + Tr, routing_width] uint8: zaya L columns, one expert per MoE layer with the skip
+  expert as id E; qwen3_moe L * k columns, layer-major (layer l owns columns l*k .. l*k + k - 1, the k ids in
   the router's order), dense layers' columns NO_ROUTE. The row of a token the engine never computed
   (the last sampled token) is zrl.types.NO_ROUTE (255), which the trainer routes natively.
 - Sample i of the j-th prompt of `generate` uses seed `seed + j * num_samples + i` when a seed is set.
@@ -91,7 +91,7 @@ class SampleOutput:
     prompt_ids: np.ndarray  # [Tp] int64
     token_ids: np.ndarray  # [Tr] int64
     logprobs: np.ndarray  # [Tr] float32, logprob of each sampled token
-    routing: np.ndarray  # [Tp + Tr, W] uint8, experts per token and layer (module docstring; NO_ROUTE = not computed)
+    routing: np.ndarray  # [Tp + Tr, routing_width] uint8, experts per token and layer (module docstring; NO_ROUTE = not computed)
     finish_reason: str  # "stop", "length" or "abort"
     version_segments: tuple[VersionSegment, ...]
     text: str
@@ -171,7 +171,7 @@ class RolloutEngine:
             worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
         self._engine = LLMEngine.from_engine_args(args)
         self._tokenizer = self._engine.get_tokenizer()
-        self.routing_width = self._rpc("start_routing_capture")  # W: columns of a routing row
+        self.routing_width = self._rpc("start_routing_capture")  # columns of a routing row: L (zaya), L * k (qwen3_moe)
         self.version = policy_version
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()

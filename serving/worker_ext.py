@@ -6,10 +6,10 @@ the engine runs in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0).
 
 Router capture invariant: after every model forward of a real engine step (the runner's
 `_model_forward`; vLLM's dummy and profiling runs call the model directly and are not recorded), row
-i of the forward's routing rows [T, W] (served_models.py; W = L for zaya, L * k for qwen3_moe) belongs
-to the request whose span [qsl[r], qsl[r+1]) of the runner's `query_start_loc` contains i, where r
-indexes `input_batch.req_ids`, and it is the routing of the token at `positions[i]` of that request
-(routing_capture.py stores it there).
+i of the forward's routing rows [T, routing width] (served_models.py: L for zaya, L * k for qwen3_moe)
+belongs to the request whose span [qsl[r], qsl[r+1]) of the runner's `query_start_loc` contains i,
+where r indexes `input_batch.req_ids`, and it is the routing of the token at `positions[i]` of that
+request (routing_capture.py stores it there).
 
 Weight update: vLLM's layer-wise `reload_weights` (it re-runs each layer's post-load processing; it
 consumes its iterator lazily, so a streamed sync is loaded as it arrives),
@@ -88,7 +88,7 @@ class RolloutWorkerExtension:
         return recorder.num_layers
 
     def pop_routing(self, req_ids: list[str]) -> dict[str, bytes]:
-        """req id -> its [positions, width] uint8 routing table as bytes (compact across a process boundary)."""
+        """req id -> its [positions, routing width] uint8 routing table as bytes (compact across a process boundary)."""
         recorder = self.model_runner._zrl_recorder
         return {req_id: recorder.pop(req_id).tobytes() for req_id in req_ids}
 
