@@ -77,11 +77,11 @@ def make_wrapper(path: Path, prompts, args):
     computed: list[int] = []
 
     def run() -> tuple[float, int]:
-        cached = engine._rpc("zaya_capture_stats")["cached_rows"]
+        cached = engine._rpc("routing_capture_stats")["cached_rows"]
         start = time.perf_counter()
         groups = engine.generate(prompts, args.samples, sampling)
         seconds = time.perf_counter() - start
-        cached = engine._rpc("zaya_capture_stats")["cached_rows"] - cached
+        cached = engine._rpc("routing_capture_stats")["cached_rows"] - cached
         computed.append(sum(len(s.prompt_ids) for g in groups for s in g) - cached)
         return seconds, sum(len(s.token_ids) for g in groups for s in g)
 

@@ -1,10 +1,11 @@
-"""Rollout-worker-facing wrapper around one in-process vLLM engine running the ZAYA1 model.
+"""Rollout-worker-facing wrapper around one in-process vLLM engine serving an MoE policy.
 
 `RolloutEngine` drives vLLM's `LLMEngine` step by step so that a weight update can land between two
 steps while requests are in flight (PipelineRL "keep": running sequences continue with their KV cache
 and CCA state). For every sample it returns prompt and generated token ids, the sampled tokens'
-logprobs, the expert chosen by every MoE layer for every token, the finish reason and the policy
-version of every generated token.
+logprobs, the experts chosen by every MoE layer for every token, the finish reason and the policy
+version of every generated token. Served models, by config.json's `model_type` (served_models.py):
+`zaya` (ZAYA1 MoE++, the out-of-tree model of zaya_vllm.py) and `qwen3_moe` (vLLM's built-in Qwen3-MoE).
 
 The logprobs are vLLM's "processed_logprobs", always: each token's log-probability under the
 distribution it was actually sampled from (temperature, then min-p, top-k, top-p). The trainer takes
@@ -15,16 +16,19 @@ refused for that reason.
 Invariants:
 - A generated token's version is the engine's version during the step that sampled it; versions are
   stored as segments (first token index, version), one per change.
-- `routing` is [Tp + Tr, L] uint8 with the skip expert as id E; the row of a token the engine never
-  computed (the last sampled token) is zrl.types.NO_ROUTE (255), which the trainer routes natively.
+- `routing` is [Tp + Tr, routing_width] uint8: zaya L columns, one expert per MoE layer with the skip
+  expert as id E; qwen3_moe L * k columns, layer-major (layer l owns columns l*k .. l*k + k - 1, the k ids in
+  the router's order), dense layers' columns NO_ROUTE. The row of a token the engine never computed
+  (the last sampled token) is zrl.types.NO_ROUTE (255), which the trainer routes natively.
 - Sample i of the j-th prompt of `generate` uses seed `seed + j * num_samples + i` when a seed is set.
-Shapes (docs/shapes.md): Tp prompt tokens, Tr generated tokens, L MoE layers.
+Shapes (docs/shapes.md): Tp prompt tokens, Tr generated tokens, L (MoE) layers, k experts per token.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import tempfile
@@ -37,12 +41,13 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from serving.served_models import served_model
 from serving.worker_ext import WeightStream
 from zrl.types import NO_ROUTE
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "serving.worker_ext.ZayaWorkerExtension"
+WORKER_EXTENSION = "serving.worker_ext.RolloutWorkerExtension"
 MIN_TEMPERATURE = 0.01  # vLLM's floor for a non-greedy temperature (SamplingParams)
 
 
@@ -86,7 +91,7 @@ class SampleOutput:
     prompt_ids: np.ndarray  # [Tp] int64
     token_ids: np.ndarray  # [Tr] int64
     logprobs: np.ndarray  # [Tr] float32, logprob of each sampled token
-    routing: np.ndarray  # [Tp + Tr, L] uint8, expert per token and MoE layer (E = skip, NO_ROUTE = not computed)
+    routing: np.ndarray  # [Tp + Tr, routing_width] uint8, experts per token and layer (module docstring; NO_ROUTE = not computed)
     finish_reason: str  # "stop", "length" or "abort"
     version_segments: tuple[VersionSegment, ...]
     text: str
@@ -125,7 +130,7 @@ class _Pending:
 
 
 class RolloutEngine:
-    """One ZAYA vLLM engine driven step by step; not thread-safe (call from one thread)."""
+    """One vLLM engine driven step by step; not thread-safe (call from one thread)."""
 
     def __init__(
         self,
@@ -141,8 +146,8 @@ class RolloutEngine:
         **engine_kwargs: Any,
     ) -> None:
         """prefix_caching: the samples of a group (and later groups of the same prompt under the same policy
-        version) reuse the prompt's computed KV blocks and CCA state instead of prefilling it again; exact
-        (serving/cca_state.py), and each reused position's routing is the one recorded when it was computed."""
+        version) reuse the prompt's computed KV blocks (and ZAYA's CCA state) instead of prefilling it again;
+        exact (serving/cca_state.py), and each reused position's routing is the one recorded when it was computed."""
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -151,10 +156,13 @@ class RolloutEngine:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
             logger.warning("VLLM_ENABLE_V1_MULTIPROCESSING is not 0: weight updates and routing then "
                            "cross a process boundary by serialisation")
-        register()  # in this process; vLLM's own processes load it through the entry point
+        model_type = _local_model_type(model)
+        if model_type is not None:  # refused before vLLM starts; else the worker refuses it (worker_ext.py)
+            served_model(model_type)
+        register()  # the ZAYA model, in this process; vLLM's own processes load it through the entry point
         # The routing capture hooks vLLM's V1 model runner (worker_ext.py); vLLM picks V2 by default on CUDA.
         if os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False"):
-            raise ValueError("VLLM_USE_V2_MODEL_RUNNER: the ZAYA rollout engine needs vLLM's V1 model runner "
+            raise ValueError("VLLM_USE_V2_MODEL_RUNNER: the rollout engine needs vLLM's V1 model runner "
                              "(its routing capture hooks it); unset the variable or set it to 0")
         args = EngineArgs(
             model=str(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -163,7 +171,7 @@ class RolloutEngine:
             worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
         self._engine = LLMEngine.from_engine_args(args)
         self._tokenizer = self._engine.get_tokenizer()
-        self.num_layers = self._rpc("zaya_start_capture")
+        self.routing_width = self._rpc("start_routing_capture")  # columns of a routing row: L (zaya), L * k (qwen3_moe)
         self.version = policy_version
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
@@ -227,7 +235,7 @@ class RolloutEngine:
                     if output.finished and output.request_id in self._pending]
         if not finished:
             return []
-        tables = self._rpc("zaya_pop_routing", [p.internal_id for _, p in finished])
+        tables = self._rpc("pop_routing", [p.internal_id for _, p in finished])
         return [FinishedSample(p.group_id, p.sample_index, self._sample_output(o, p, tables[p.internal_id]))
                 for o, p in finished]
 
@@ -263,7 +271,7 @@ class RolloutEngine:
         if not external:
             return
         self._engine.abort_request(external)
-        self._rpc("zaya_discard_routing", [self._pending[k].internal_id for k in external])
+        self._rpc("discard_routing", [self._pending[k].internal_id for k in external])
         for k in external:
             del self._pending[k]
 
@@ -273,7 +281,7 @@ class RolloutEngine:
                        version: int | None = None) -> WeightUpdateStats:
         """Load new weights in place between two steps and bump the version.
 
-        `weights`: a complete state dict with HF `zaya` keys (in-process tensors), a Ray ObjectRef
+        `weights`: a complete state dict with the served model's HF keys (in-process tensors), a Ray ObjectRef
         of one, a `WeightStream` (loaded as its tensors arrive; in-process engine only) or a
         checkpoint directory. `version` defaults to the current version + 1.
         With vLLM's multi-process engine, tensors cannot cross its two process hops: a state dict is
@@ -299,9 +307,9 @@ class RolloutEngine:
             with tempfile.TemporaryDirectory(prefix="zrl-weights-") as tmp:
                 save_file({k: t.detach().cpu().contiguous() for k, t in payload.items()},
                           str(Path(tmp) / "model.safetensors"))
-                self._rpc("zaya_update_weights", tmp)
+                self._rpc("load_weights_in_place", tmp)
         else:
-            self._rpc("zaya_update_weights", payload)
+            self._rpc("load_weights_in_place", payload)
         seconds = time.perf_counter() - start
         self.version = self.version + 1 if version is None else version
         for external_id, generated in self._generated_so_far().items():
@@ -336,15 +344,15 @@ class RolloutEngine:
         (a partial prefill chunk samples nothing kept), so the count follows from the positions the
         worker's routing recorder has seen; recomputation after preemption does not lower it.
         """
-        computed = self._rpc("zaya_positions_computed", [p.internal_id for p in self._pending.values()])
+        computed = self._rpc("positions_computed", [p.internal_id for p in self._pending.values()])
         return {k: max(0, computed[p.internal_id] - len(p.prompt_ids) + 1) for k, p in self._pending.items()}
 
     def _sample_output(self, output, pending: _Pending, table_bytes: bytes) -> SampleOutput:
         completion = output.outputs[0]
-        table = np.frombuffer(table_bytes, dtype=np.uint8).reshape(-1, self.num_layers)
+        table = np.frombuffer(table_bytes, dtype=np.uint8).reshape(-1, self.routing_width)
         token_ids = np.asarray(completion.token_ids, dtype=np.int64)
         num_rows = len(pending.prompt_ids) + len(token_ids)
-        routing = np.full((num_rows, self.num_layers), NO_ROUTE, dtype=np.uint8)
+        routing = np.full((num_rows, self.routing_width), NO_ROUTE, dtype=np.uint8)
         rows = min(num_rows, table.shape[0])
         routing[:rows] = table[:rows]
         text = (self._tokenizer.decode(token_ids.tolist(), skip_special_tokens=True) if pending.decode_text
@@ -354,6 +362,12 @@ class RolloutEngine:
             prompt_ids=pending.prompt_ids, token_ids=token_ids,
             logprobs=_sampled_logprobs(completion.logprobs, token_ids), routing=routing,
             finish_reason=completion.finish_reason or "abort", version_segments=segments, text=text)
+
+
+def _local_model_type(model: str | Path) -> str | None:
+    """config.json's model_type of a local checkpoint directory; None for anything else (a Hub id)."""
+    config = Path(model) / "config.json"
+    return json.loads(config.read_text()).get("model_type", "") if config.is_file() else None
 
 
 def _sampled_logprobs(flat, token_ids: np.ndarray) -> np.ndarray:

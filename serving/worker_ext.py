@@ -1,19 +1,21 @@
-"""vLLM worker extension for ZAYA1: per-request router capture and in-place weight updates.
+"""vLLM worker extension of the rollout engine: per-request routing capture and in-place weight updates.
 
-Installed with `worker_extension_cls="serving.worker_ext.ZayaWorkerExtension"`; vLLM mixes the class
+Installed with `worker_extension_cls="serving.worker_ext.RolloutWorkerExtension"`; vLLM mixes the class
 into its worker, and the driver calls the methods by name through `collective_rpc` (by reference when
 the engine runs in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0).
 
 Router capture invariant: after every model forward of a real engine step (the runner's
 `_model_forward`; vLLM's dummy and profiling runs call the model directly and are not recorded), row
-i of the model's `last_routing` [T, L] belongs to the request whose span [qsl[r], qsl[r+1]) of the
-runner's `query_start_loc` contains i, where r indexes `input_batch.req_ids`, and it is the routing
-of the token at `positions[i]` of that request (routing_capture.py stores it there).
+i of the forward's routing rows [T, routing width] (served_models.py: L for zaya, L * k for qwen3_moe)
+belongs to the request whose span [qsl[r], qsl[r+1]) of the runner's `query_start_loc` contains i,
+where r indexes `input_batch.req_ids`, and it is the routing of the token at `positions[i]` of that
+request (routing_capture.py stores it there).
 
 Weight update: vLLM's layer-wise `reload_weights` (it re-runs each layer's post-load processing; it
 consumes its iterator lazily, so a streamed sync is loaded as it arrives),
 then the fix-ups it misses — the CPU MoE experts keep a pre-packed copy of their weights that reload
-does not rebuild (docs/cpu-stack.md), and the model's fp32 LM-head copy (off CUDA).
+does not rebuild (docs/cpu-stack.md), and the served model's derived tensors (ZAYA's fp32 LM-head
+copy off CUDA).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 from serving.routing_capture import RoutingRecorder
+from serving.served_models import served_model
 from zrl.pipeline.weight_sync import release_host_memory
 
 logger = logging.getLogger(__name__)
@@ -45,22 +48,27 @@ class WeightStream:
     tensors: Iterator[tuple[str, torch.Tensor]]
 
 
-class ZayaWorkerExtension:
-    """Methods added to vLLM's worker; `self` is the worker (it has `model_runner`)."""
+class RolloutWorkerExtension:
+    """Methods added to vLLM's worker; `self` is the worker (it has `model_runner`). Model-specific parts
+    come from served_models.py by the served config's `model_type`."""
 
-    def zaya_start_capture(self) -> int:
-        """Wrap the runner's model forward to record routing per request; returns the MoE layer count."""
+    def start_routing_capture(self) -> int:
+        """Wrap the runner's model forward to record routing per request; returns the routing width
+        (columns of a row: L for zaya, L * k for qwen3_moe)."""
         runner = self.model_runner
-        if getattr(runner, "_zaya_recorder", None) is not None:
-            return runner._zaya_recorder.num_layers
+        if getattr(runner, "_zrl_recorder", None) is not None:
+            return runner._zrl_recorder.num_layers
         model = runner.get_model()
+        capture = served_model(runner.model_config.hf_config.model_type).capture(
+            model, runner.scheduler_config.max_num_batched_tokens)
         kv_group = _attention_group(runner) if runner.cache_config.enable_prefix_caching else None
-        recorder = RoutingRecorder(len(model.model.layers), runner.model_config.max_model_len,
+        recorder = RoutingRecorder(capture.width, runner.model_config.max_model_len,
                                    kv_block_size=None if kv_group is None else kv_group.block_size)
         forward = runner._model_forward
 
         def forward_and_record(*args, **kwargs):
             _make_cpu_generators_rewindable(runner.input_batch, runner.requests)
+            capture.start()
             output = forward(*args, **kwargs)
             batch = runner.input_batch
             num_reqs = batch.num_reqs
@@ -72,51 +80,53 @@ class ZayaWorkerExtension:
                 ends = batch.num_computed_tokens_cpu[:num_reqs] + np.diff(qsl)
                 kv_blocks = kv_group.block_table.np[:num_reqs, : -(-int(ends.max()) // kv_group.block_size)]
             # No wait for the device here: the copies to the host run behind the step (routing_capture.py).
-            recorder.record_later(batch.req_ids[:num_reqs], qsl, positions, model.last_routing[:num_tokens],
-                                  kv_blocks)
+            recorder.record_later(batch.req_ids[:num_reqs], qsl, positions, capture.rows(num_tokens), kv_blocks)
             return output
 
         runner._model_forward = forward_and_record
-        runner._zaya_recorder = recorder
+        runner._zrl_recorder = recorder
         return recorder.num_layers
 
-    def zaya_pop_routing(self, req_ids: list[str]) -> dict[str, bytes]:
-        """req id -> its [positions, L] uint8 routing table as bytes (compact across a process boundary)."""
-        recorder = self.model_runner._zaya_recorder
+    def pop_routing(self, req_ids: list[str]) -> dict[str, bytes]:
+        """req id -> its [positions, routing width] uint8 routing table as bytes (compact across a process boundary)."""
+        recorder = self.model_runner._zrl_recorder
         return {req_id: recorder.pop(req_id).tobytes() for req_id in req_ids}
 
-    def zaya_positions_computed(self, req_ids: list[str]) -> dict[str, int]:
+    def positions_computed(self, req_ids: list[str]) -> dict[str, int]:
         """req id -> number of leading positions computed so far (0 for a request not yet scheduled)."""
-        recorder = self.model_runner._zaya_recorder
+        recorder = self.model_runner._zrl_recorder
         return {req_id: recorder.positions_computed(req_id) for req_id in req_ids}
 
-    def zaya_capture_stats(self) -> dict[str, int]:
-        recorder = self.model_runner._zaya_recorder
+    def routing_capture_stats(self) -> dict[str, int]:
+        recorder = self.model_runner._zrl_recorder
         open_requests = len(recorder)  # records the steps still pending first
         return {"open_requests": open_requests, "recomputed_rows": recorder.recomputed_rows,
                 "cached_rows": recorder.cached_rows}
 
-    def zaya_discard_routing(self, req_ids: list[str]) -> None:
-        self.model_runner._zaya_recorder.discard(req_ids)
+    def discard_routing(self, req_ids: list[str]) -> None:
+        self.model_runner._zrl_recorder.discard(req_ids)
 
-    def zaya_update_weights(self, weights: Mapping[str, torch.Tensor] | WeightStream | str) -> float:
-        """Load a complete HF-keyed state dict, weight stream or checkpoint directory in place; returns seconds."""
+    def load_weights_in_place(self, weights: Mapping[str, torch.Tensor] | WeightStream | str) -> float:
+        """Load a complete HF-keyed state dict, weight stream or checkpoint directory in place; returns seconds.
+
+        (Not `update_weights`: vLLM's GPU worker has a method of that name, and an extension may not shadow one.)"""
         runner = self.model_runner
         model = runner.get_model()
+        served = served_model(runner.model_config.hf_config.model_type)
         start = time.perf_counter()
         if isinstance(weights, str):
-            _check_complete(model.checkpoint_keys(), _checkpoint_dir_keys(weights))
+            _check_complete(served.checkpoint_keys(model), _checkpoint_dir_keys(weights))
             runner.reload_weights(weights_path=weights)
         elif isinstance(weights, WeightStream):
-            _check_complete(model.checkpoint_keys(), set(weights.names))
+            _check_complete(served.checkpoint_keys(model), set(weights.names))
             runner.reload_weights(weights_iterator=_repacking_layer_by_layer(weights.tensors, model))
         else:
-            _check_complete(model.checkpoint_keys(), set(weights))
+            _check_complete(served.checkpoint_keys(model), set(weights))
             runner.reload_weights(weights_iterator=iter(weights.items()))
         repacked = 0 if isinstance(weights, WeightStream) else repack_cpu_moe_experts(model)
-        model.refresh_derived_weights()
+        served.after_load(model)
         seconds = time.perf_counter() - start
-        logger.debug("ZAYA weight update: %.1f ms (%d CPU MoE layers repacked)", seconds * 1e3, repacked)
+        logger.debug("weight update: %.1f ms (%d CPU MoE layers repacked)", seconds * 1e3, repacked)
         return seconds
 
 

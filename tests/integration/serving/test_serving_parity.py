@@ -23,9 +23,9 @@ MAX_TOKENS = 24
 
 
 def _generate(engine):
-    before = engine._rpc("zaya_capture_stats")["recomputed_rows"]
+    before = engine._rpc("routing_capture_stats")["recomputed_rows"]
     groups = engine.generate(make_prompts(), NUM_SAMPLES, SamplingConfig(max_tokens=MAX_TOKENS, seed=11))
-    recomputed = engine._rpc("zaya_capture_stats")["recomputed_rows"] - before
+    recomputed = engine._rpc("routing_capture_stats")["recomputed_rows"] - before
     return [s for g in groups for s in g], recomputed
 
 
@@ -33,7 +33,7 @@ def test_fp32_logprobs_and_routing_equal_the_reference(fp32_engine, fp32_referen
     samples, recomputed = _generate(fp32_engine)
     assert recomputed > 0, "the engine settings should force preemption and recomputation"
     worst = 0.0
-    used = [set() for _ in range(fp32_engine.num_layers)]
+    used = [set() for _ in range(fp32_engine.routing_width)]
     for sample in samples:
         ref = reference_pass(fp32_reference, sample)
         expected = sampled_logprobs(generated_logits(ref, sample), sample.token_ids)
@@ -41,7 +41,7 @@ def test_fp32_logprobs_and_routing_equal_the_reference(fp32_engine, fp32_referen
         computed = sample.routing[:-1]  # every prompt token and every generated token but the last
         np.testing.assert_array_equal(computed, ref.native[:-1])
         assert (sample.routing[-1] == NO_ROUTE).all()  # the last sampled token is never run
-        for layer in range(fp32_engine.num_layers):
+        for layer in range(fp32_engine.routing_width):
             used[layer] |= set(computed[:, layer].tolist())
     log.info(f"fp32 engine vs zrl.moepp: max |logprob diff| {worst:.2e}, {recomputed} recomputed rows")
     # Measured 1.8e-6 (vLLM CPU kernels vs PyTorch, fp32); the requirement is 1e-4.
@@ -83,7 +83,7 @@ def test_bf16_mismatch_is_small(bf16_engine, bf16_reference):
 
 
 def test_capture_is_released_after_generation(fp32_engine):
-    assert fp32_engine._rpc("zaya_capture_stats")["open_requests"] == 0
+    assert fp32_engine._rpc("routing_capture_stats")["open_requests"] == 0
 
 
 def test_greedy_is_deterministic_across_batch_compositions(fp32_engine):
@@ -108,4 +108,4 @@ def test_abort_drops_a_group_and_its_capture(fp32_engine):
         finished += fp32_engine.step()
     assert sorted((s.group_id, s.sample_index) for s in finished if s.group_id == keep) == [(keep, 0), (keep, 1)]
     assert all(s.output.finish_reason != "abort" for s in finished)
-    assert fp32_engine._rpc("zaya_capture_stats")["open_requests"] == 0
+    assert fp32_engine._rpc("routing_capture_stats")["open_requests"] == 0

@@ -24,9 +24,9 @@ SAMPLING = SamplingConfig(max_tokens=60, temperature=1.0, seed=11)  # long enoug
 
 
 def _group(engine, prompt, sampling=SAMPLING):
-    before = engine._rpc("zaya_capture_stats")
+    before = engine._rpc("routing_capture_stats")
     samples = engine.generate([prompt], GROUP, sampling)[0]
-    after = engine._rpc("zaya_capture_stats")
+    after = engine._rpc("routing_capture_stats")
     return samples, {k: after[k] - before[k] for k in ("recomputed_rows", "cached_rows")}
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from serving.cca_state import request_layout, stateful_causal_convs, stateful_value_shift
 from serving.engine import SampleOutput, SamplingConfig, VersionSegment
 from serving.routing_capture import RoutingRecorder
-from serving.worker_ext import ZayaWorkerExtension, _make_cpu_generators_rewindable
+from serving.worker_ext import RolloutWorkerExtension, _make_cpu_generators_rewindable
 from zrl.types import NO_ROUTE
 
 pytestmark = pytest.mark.integration
@@ -218,18 +218,20 @@ def test_capture_hook_reads_nothing_back_during_the_step():
         return "hidden"
 
     runner = SimpleNamespace(
-        get_model=lambda: model, model_config=SimpleNamespace(max_model_len=64), _model_forward=model_forward,
+        get_model=lambda: model, _model_forward=model_forward,
+        model_config=SimpleNamespace(max_model_len=64, hf_config=SimpleNamespace(model_type="zaya")),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
         cache_config=SimpleNamespace(enable_prefix_caching=False), requests={},
         input_batch=SimpleNamespace(generators={}, num_reqs=2, req_ids=["a", "b"]),
         query_start_loc=SimpleNamespace(np=np.array([0, 2, 3])))
     worker = SimpleNamespace(model_runner=runner)
-    assert ZayaWorkerExtension.zaya_start_capture(worker) == 2
+    assert RolloutWorkerExtension.start_routing_capture(worker) == 2
     HostReads.reads = 0
     positions = torch.tensor([0, 1, 5, 99]).as_subclass(HostReads)  # the runner's buffer: more rows than tokens
     assert runner._model_forward(None, positions) == "hidden"
     assert HostReads.reads == 0
-    assert ZayaWorkerExtension.zaya_positions_computed(worker, ["a", "b"]) == {"a": 2, "b": 6}
-    table = np.frombuffer(ZayaWorkerExtension.zaya_pop_routing(worker, ["b"])["b"], np.uint8).reshape(-1, 2)
+    assert RolloutWorkerExtension.positions_computed(worker, ["a", "b"]) == {"a": 2, "b": 6}
+    table = np.frombuffer(RolloutWorkerExtension.pop_routing(worker, ["b"])["b"], np.uint8).reshape(-1, 2)
     assert table[5].tolist() == [0, 0] and (table[:5] == NO_ROUTE).all()
 
 

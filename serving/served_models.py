@@ -1,0 +1,136 @@
+"""The models the rollout engine serves, by config.json's `model_type`, and what differs between them.
+
+Everything model-specific of serving is here: how a forward's routing is read (`RoutingCapture`), how
+many columns a routing row has, which HF tensors make a complete weight update, and what must be
+rebuilt after one. The engine (engine.py) and the worker extension (worker_ext.py) look a model up by
+`served_model(model_type)` and are otherwise model-agnostic.
+
+- `zaya` (ZAYA1 MoE++, serving/zaya_vllm.py, registered by plugin.py): top-1 with a skip class; the
+  model stores the chosen expert per MoE layer in `last_routing` [T, L] (skip = E). Width L.
+- `qwen3_moe` (vLLM's built-in Qwen3MoeForCausalLM): top-k; each sparse layer's fused-MoE router
+  (`BaseRouter`) calls a capture fn with its [T, k] logical expert ids before the EPLB mapping (the hook
+  vLLM's own routed-experts capturer binds, fused_moe/routed_experts_capturer.py). Width L * k,
+  layer-major: decoder layer l owns columns l*k .. l*k + k - 1 (zrl.qwen3_moe's record layout); dense
+  layers' columns stay NO_ROUTE.
+Shapes: T tokens of an engine step, L decoder layers, k experts per token, E experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from zrl.types import NO_ROUTE
+
+
+class ZayaCapture:
+    """Reads the ZAYA model's own record of the last forward."""
+
+    def __init__(self, model: nn.Module, max_tokens: int) -> None:
+        self.model = model
+        self.width = len(model.model.layers)
+
+    def start(self) -> None:
+        pass
+
+    def rows(self, num_tokens: int) -> torch.Tensor:
+        """[num_tokens, L] uint8 of the forward that just ran."""
+        return self.model.last_routing[:num_tokens]
+
+
+class RouterCapture:
+    """Binds a capture fn on every fused-MoE router; a recorded forward fills one [T, L * k] buffer.
+
+    Only forwards between `start()` and `rows()` are written (vLLM's dummy and profiling runs are not);
+    every sparse layer overwrites its k columns of the step's rows, dense layers' columns keep NO_ROUTE.
+    """
+
+    def __init__(self, model: nn.Module, max_tokens: int) -> None:
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+        config = model.config  # the HF config
+        self.top_k = config.num_experts_per_tok
+        if config.num_experts > NO_ROUTE:
+            raise ValueError(f"num_experts: routing records are uint8 with {NO_ROUTE} = no record, so at most "
+                             f"{NO_ROUTE} experts, got {config.num_experts}")
+        self.width = config.num_hidden_layers * self.top_k
+        device = next(model.parameters()).device
+        self.buffer = torch.full((max_tokens, self.width), NO_ROUTE, dtype=torch.uint8, device=device)  # [T, L*k]
+        self._recording = False
+        runners = [m for m in model.modules() if isinstance(m, MoERunner)]
+        if not runners:
+            raise ValueError("routing capture found no fused-MoE layer in the served model")
+        for runner in runners:
+            if runner.is_monolithic or not isinstance(runner.router, BaseRouter):
+                # Monolithic kernels route inside the kernel; vLLM captures those through a sink of its
+                # V2 runner's AuxOutput path, which this V1 capture does not use.
+                raise ValueError(f"routing capture needs a modular fused-MoE kernel with a BaseRouter; layer "
+                                 f"{runner.layer_id} has {type(runner.router).__name__} "
+                                 f"(monolithic={runner.is_monolithic})")
+            runner.router.set_capture_fn(self._writer(runner.layer_id))
+
+    def _writer(self, layer_idx: int) -> Callable[[torch.Tensor], None]:
+        columns = slice(layer_idx * self.top_k, (layer_idx + 1) * self.top_k)
+
+        def capture(topk_ids: torch.Tensor) -> None:  # [T, k] logical expert ids
+            if self._recording:
+                self.buffer[: topk_ids.shape[0], columns] = topk_ids
+        return capture
+
+    def start(self) -> None:
+        self._recording = True
+
+    def rows(self, num_tokens: int) -> torch.Tensor:
+        """[num_tokens, L * k] uint8 of the forward that just ran."""
+        self._recording = False
+        return self.buffer[:num_tokens]
+
+
+def _zaya_checkpoint_keys(model: nn.Module) -> frozenset[str]:
+    return model.checkpoint_keys()
+
+
+def _qwen3_moe_checkpoint_keys(model: nn.Module) -> frozenset[str]:
+    """The HF keys of a complete `qwen3_moe` checkpoint (zrl.qwen3_moe's parameters, experts one by one;
+    what zrl.qwen3_moe.hf_state_dict gives)."""
+    from zrl.moepp.checkpoint import to_hf_name
+    from zrl.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
+
+    config = Qwen3MoEConfig.from_hf_dict(model.config.to_dict(), strict=False)
+    with torch.device("meta"):
+        names = Qwen3MoEForCausalLM(config).state_dict().keys()
+    keys = {to_hf_name(n) for n in names if ".mlp.experts." not in n}
+    for layer_idx in config.moe_layers:
+        for expert in range(config.num_experts):
+            keys.update(f"model.layers.{layer_idx}.mlp.experts.{expert}.{p}.weight"
+                        for p in ("gate_proj", "up_proj", "down_proj"))
+    return frozenset(keys)
+
+
+def _zaya_after_load(model: nn.Module) -> None:
+    model.refresh_derived_weights()  # the fp32 LM-head copy off CUDA
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    model_type: str  # config.json's
+    capture: Callable[[nn.Module, int], ZayaCapture | RouterCapture]  # (model, max tokens of a step)
+    checkpoint_keys: Callable[[nn.Module], frozenset[str]]  # HF keys a complete weight update holds
+    after_load: Callable[[nn.Module], None] = lambda model: None  # derived tensors to rebuild after a load
+
+
+SERVED_MODELS: dict[str, ServedModel] = {
+    "zaya": ServedModel("zaya", ZayaCapture, _zaya_checkpoint_keys, _zaya_after_load),
+    "qwen3_moe": ServedModel("qwen3_moe", RouterCapture, _qwen3_moe_checkpoint_keys),
+}
+
+
+def served_model(model_type: str) -> ServedModel:
+    if model_type not in SERVED_MODELS:
+        raise ValueError(f"model_type {model_type!r} is not served by the rollout engine; served: "
+                         f"{sorted(SERVED_MODELS)}")
+    return SERVED_MODELS[model_type]
