@@ -5,7 +5,8 @@ result, counts what a sync cost (`StageCounters`: time, bytes, peak extra memory
 after MAX_FAILED_SYNCS failures in a row. What differs between transports is one class each:
 - `CollectiveSync`: trainer rank 0 streams the weights to every worker over a collective group
   (zrl.pipeline.weight_sync) of trainer rank 0 + every rollout worker (loopback on one machine), formed
-  at the first sync and again after a fault; when it cannot be formed, the coordinator falls back to
+  at the first sync and again after a fault (a worker that Ray is restarting joins once it is back:
+  `await_joins`); when it cannot be formed, the coordinator falls back to
 - `ObjectStoreSync`: rank 0's state dict goes from its process to the workers' through Ray's object
   store (recipe `sync_transport: object_store`, or the fallback, logged once with the reason).
 The schedule decides when; the coordinator's answers (`TrainerSynced`, `WorkerSynced`) go back to it
@@ -18,13 +19,14 @@ import logging
 import time
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 
 from zrl.config.schema import Asynchrony
 from zrl.pipeline.faults import RANK_FAILURE_GRACE_S, StageStopped, reason_of, trainer_results
 from zrl.pipeline.schedule import StartSync, TrainerSynced
 from zrl.pipeline.stage_calls import TrainerSyncCall, WorkerSyncCall, call_errors
 from zrl.pipeline.stage_report import StageCounters
+from zrl.pipeline.worker_restarts import RESTART_POLL_S
 
 log = logging.getLogger("zrl")
 
@@ -49,7 +51,7 @@ class CollectiveSync:
             address = ray.get(ranks[0].listen_for_sync.remote(host, len(workers), backend, timeout_s))
             joins = [ranks[0].join_sync.remote(address)]
             joins += [w.join_sync.remote(address, i + 1) for i, w in enumerate(workers)]
-            ray.get(joins, timeout=timeout_s)
+            await_joins(joins, workers, address, time.monotonic() + timeout_s)
         except (RayError, GetTimeoutError) as exc:
             log.warning("weight sync: the collective group could not be formed (%s); syncing through Ray's "
                         "object store for the rest of the stage", reason_of(exc))
@@ -78,6 +80,30 @@ class CollectiveSync:
 
     def received(self, counters: StageCounters, result) -> None:
         pass
+
+
+def await_joins(joins: list, workers: list, address, deadline: float) -> None:
+    """Wait for every member's join (`joins`: trainer rank 0's, then worker i's at i + 1) until `deadline`.
+
+    A worker that died after its last answer to the stage loop (the loop has not handled its death yet)
+    refuses its join while Ray restarts it, and trainer rank 0, already waiting in its own join for that
+    member, would wait out sync_timeout_s (measured: 600 s, then the stage fell back to the object store).
+    So a refused join is sent again until the restarted worker takes it and the group forms with it, in
+    the time a restart takes; the loop still handles the death when the worker's failed call comes back.
+    """
+    pending = dict(zip(joins, range(len(joins))))
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise GetTimeoutError(f"{len(pending)} member(s) did not join the weight-sync group in time")
+        member = pending.pop(ready[0])
+        try:
+            ray.get(ready[0])
+        except ActorUnavailableError:
+            if member == 0 or time.monotonic() > deadline:
+                raise
+            time.sleep(RESTART_POLL_S)
+            pending[workers[member - 1].join_sync.remote(address, member)] = member
 
 
 class ObjectStoreSync:

@@ -27,6 +27,8 @@ from zrl.pipeline.faults import StageStopped, reason_of
 
 log = logging.getLogger("zrl")
 
+RESTART_POLL_S = 1.0  # between calls to a restarting worker (they fail at once until it is back)
+
 
 class WorkerRestarts:
     def __init__(self, stage_name: str, num_workers: int, max_worker_restarts: int, restart_timeout_s: float):
@@ -72,4 +74,4 @@ class WorkerRestarts:
                 if time.monotonic() > deadline:
                     raise StageStopped(f"stage {self.stage_name!r} stopped: rollout worker {w} did not come back "
                                        f"within {self.timeout_s:g} s of its restart") from None
-                time.sleep(1.0)
+                time.sleep(RESTART_POLL_S)

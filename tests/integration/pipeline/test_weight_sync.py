@@ -115,3 +115,62 @@ def test_streamed_sync_equals_a_fresh_engine_and_holds_no_second_model(tmp_path,
     receiver_bound = bucket + largest + 2 * layer + SLACK_BYTES
     assert 0 <= again["receiver_peak"] <= receiver_bound, peaks
     assert 0 <= result["receiver_peak"] <= receiver_bound + FIRST_RELOAD_BYTES, peaks
+
+
+RESTART_S = 5.0  # how long the restarted member takes to come back (a rollout worker reloads its engine)
+
+
+class SlowRestartMember:
+    """A weight-sync group member that Ray restarts slowly; no engine, the join is all it does."""
+
+    def __init__(self):
+        import time
+
+        import ray
+
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            time.sleep(RESTART_S)
+        self.group = None
+
+    def join_sync(self, address, group_rank: int) -> None:
+        from zrl.pipeline.weight_sync import SyncGroup
+
+        self.group = SyncGroup(address, group_rank)
+
+    def in_group(self) -> bool:
+        return self.group is not None
+
+
+def test_a_worker_restarting_while_the_group_forms_joins_once_it_is_back(monkeypatch):
+    """The stage asks for a group before it has handled a worker's death (bench/results/faults_cpu.md,
+    2026-11-27): the worker refuses its join while Ray restarts it, and the group must form with the
+    restarted worker, not leave trainer rank 0 waiting in its join until the group's timeout (the stage
+    would then fall back to the object store: prepare returns False)."""
+    import time
+    from types import SimpleNamespace
+
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    from zrl.pipeline.sync_coordinator import CollectiveSync
+    from zrl.pipeline.trainer_rank import TrainerRank
+
+    monkeypatch.setenv("PYTHONPATH", str(HERE))  # the actors import SlowRestartMember from this module
+    pool = SimpleNamespace(one_machine=True, gpus=0)
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        rank0 = ray.remote(TrainerRank).options(num_cpus=0).remote()
+        worker = ray.remote(SlowRestartMember).options(num_cpus=0, max_restarts=1).remote()
+        sync = CollectiveSync()
+        assert sync.prepare([rank0], [worker], pool, timeout_s=30.0)
+        ray.kill(worker, no_restart=False)
+        with pytest.raises(ActorUnavailableError):  # dead, then restarting for RESTART_S
+            for _ in range(600):
+                ray.get(worker.in_group.remote())
+                time.sleep(0.05)
+        sync.broken()
+        formed = sync.prepare([rank0], [worker], pool, timeout_s=30.0)
+        in_group = ray.get(worker.in_group.remote())
+    finally:
+        ray.shutdown()
+    assert formed and in_group
