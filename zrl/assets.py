@@ -146,6 +146,12 @@ def build_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, **overrides) -> Pat
     return out
 
 
+# The tiny models zrl builds, by config.json model_type (`zrl init-tiny-model --arch`, `model.tiny_arch`):
+# the builder, and the config whose max_position_embeddings preflight reads before the model exists.
+TINY_BUILDERS = {"zaya": build_tiny_model, "qwen3_moe": build_tiny_qwen3_moe}
+TINY_CONFIGS = {"zaya": TINY_MODEL_CONFIG, "qwen3_moe": TINY_QWEN3_MOE_CONFIG}
+
+
 def is_checkpoint_dir(path: str | Path) -> bool:
     path = Path(path)
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+from zrl.assets import TINY_BUILDERS
 from zrl.config import Recipe, RecipeError, load_recipe
 from zrl.config.load import yaml_value
 from zrl.env.registry import UnknownEnvironmentError
@@ -160,10 +161,8 @@ def cmd_envs(args) -> int:
 
 
 def cmd_init_tiny_model(args) -> int:
-    from zrl.assets import build_tiny_model
-
-    path = build_tiny_model(args.dir, seed=args.seed)
-    sys.stdout.write(f"tiny zaya checkpoint and tokenizer written to {path}\n")
+    path = TINY_BUILDERS[args.arch](args.dir, seed=args.seed)
+    sys.stdout.write(f"tiny {args.arch} checkpoint and tokenizer written to {path}\n")
     return 0
 
 
@@ -476,8 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="ttc.jsonl", help="JSONL of every candidate")
     p.set_defaults(func=cmd_ttc)
 
-    p = command("init-tiny-model", "build the tiny CPU tokenizer + zaya checkpoint", json_output=False)
+    p = command("init-tiny-model", "build the tiny CPU tokenizer + checkpoint (zaya or qwen3_moe)", json_output=False)
     p.add_argument("dir", help="directory to write (a scratch asset path such as runs/assets/tiny-zaya)")
+    p.add_argument("--arch", default="zaya", choices=sorted(TINY_BUILDERS),
+                   help="model_type of the tiny checkpoint")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.set_defaults(func=cmd_init_tiny_model)
     return parser

@@ -181,13 +181,13 @@ class _Context:
 def _model(recipe: Recipe, findings: Findings) -> tuple[_Context | None, Path | None]:
     """The model's context length when known, and the directory its files are read from when there is
     one here; records problems and missing items of `model.path`."""
-    from zrl.assets import TINY_MODEL_CONFIG, is_checkpoint_dir
+    from zrl.assets import TINY_CONFIGS, is_checkpoint_dir
 
-    what = "zaya checkpoint directory (config.json and *.safetensors)"
+    what = "model checkpoint directory (config.json and *.safetensors)"
     found = _checkpoint("model.path", recipe.model, is_checkpoint_dir, what, findings)
     if found == TINY:
-        return (_Context(TINY_MODEL_CONFIG["max_position_embeddings"], "the tiny model build_tiny_if_missing builds"),
-                None)
+        return (_Context(TINY_CONFIGS[recipe.model.tiny_arch]["max_position_embeddings"],
+                         f"the tiny model build_tiny_if_missing builds ({recipe.model.tiny_arch})"), None)
     if found is not None:
         return _model_config(found / "config.json", findings), found
     # A config.json without weights is still checked: a wrong one is worth knowing before the weights arrive.

@@ -158,13 +158,14 @@ def prepare_model(recipe: Recipe) -> Path:
     """The local checkpoint directory everything downstream reads (zrl/hub.py): `model.path` itself, the
     Hugging Face cache snapshot of a repo id (downloaded on first use), or the tiny CPU checkpoint, built
     first when build_tiny_if_missing allows it there. Raises zrl.hub.ModelPathError (one line)."""
-    from zrl.assets import build_tiny_model, is_checkpoint_dir
+    from zrl.assets import TINY_BUILDERS, is_checkpoint_dir
     from zrl.hub import local_checkpoint
 
     spec = recipe.model
-    build = (lambda path: build_tiny_model(path, seed=recipe.seed)) if spec.build_tiny_if_missing else None
+    build_tiny = TINY_BUILDERS[spec.tiny_arch]
+    build = (lambda path: build_tiny(path, seed=recipe.seed)) if spec.build_tiny_if_missing else None
     path = local_checkpoint("model.path", spec.path, spec.revision, is_checkpoint_dir,
-                            "zaya checkpoint directory (config.json and *.safetensors)", build)
+                            "model checkpoint directory (config.json and *.safetensors)", build)
     log.info("model: %s", path)
     return path
 

@@ -9,6 +9,7 @@ it and HF_HUB_OFFLINE is on. huggingface_hub reads both once, at import (hugging
 the fixture sets the module's values as well as the environment.
 """
 
+import json
 import shutil
 from pathlib import Path
 
@@ -125,7 +126,7 @@ def test_a_revision_with_a_local_directory_is_refused(hub_cache):
 
 
 def test_scratch_asset_paths(tmp_path):
-    what = "zaya checkpoint directory"
+    what = "model checkpoint directory"
     assert scratch_refusal(tmp_path / "runs" / "tiny-zaya", what) is None  # new
     (tmp_path / "tiny-empty").mkdir()
     assert scratch_refusal(tmp_path / "tiny-empty", what) is None  # empty
@@ -154,16 +155,19 @@ def builds(monkeypatch) -> list[Path]:
 
     built = []
 
-    def build(path, seed=0):
-        built.append(Path(path))
-        Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / "config.json").write_text("{}")
-        (Path(path) / "model.safetensors").write_bytes(b"")
-        (Path(path) / "tokenizer.json").write_text("{}")
-        return Path(path)
+    def builder(model_type: str | None):
+        def build(path, seed=0):
+            built.append(Path(path))
+            Path(path).mkdir(parents=True, exist_ok=True)
+            (Path(path) / "config.json").write_text(json.dumps({"model_type": model_type} if model_type else {}))
+            (Path(path) / "model.safetensors").write_bytes(b"")
+            (Path(path) / "tokenizer.json").write_text("{}")
+            return Path(path)
+        return build
 
-    monkeypatch.setattr(zrl.assets, "build_tiny_model", build)
-    monkeypatch.setattr(zrl.reward_model, "build_tiny_reward_model", build)
+    for model_type in zrl.assets.TINY_BUILDERS:
+        monkeypatch.setitem(zrl.assets.TINY_BUILDERS, model_type, builder(model_type))
+    monkeypatch.setattr(zrl.reward_model, "build_tiny_reward_model", builder(None))
     return built
 
 
@@ -208,6 +212,15 @@ def test_build_tiny_if_missing_builds_at_a_scratch_path(builds, tmp_path):
     assert builds == [tmp_path / "runs" / "tiny-zaya", tmp_path / "tiny-rm"]
     assert prepare_model(tiny_recipe(str(tmp_path / "runs" / "tiny-zaya"))) == tmp_path / "runs" / "tiny-zaya"
     assert len(builds) == 2  # a checkpoint now: not built again
+
+
+def test_build_tiny_if_missing_builds_the_recipes_tiny_arch(builds, tmp_path):
+    from zrl.run import prepare_model
+
+    for arch in ("zaya", "qwen3_moe"):
+        path = prepare_model(tiny_recipe(str(tmp_path / f"tiny-{arch}"), tiny_arch=arch))
+        assert json.loads((path / "config.json").read_text()) == {"model_type": arch}
+    assert builds == [tmp_path / "tiny-zaya", tmp_path / "tiny-qwen3_moe"]
 
 
 def test_the_reward_model_follows_the_same_rules(hub_cache, builds, tmp_path):
@@ -270,11 +283,11 @@ def test_validate_refuses_to_build_over_a_non_empty_directory(tmp_path, capsys):
     model = {"path": str(tmp_path / "tiny-zaya"), "build_tiny_if_missing": True}
     assert main(["validate", write_recipe(tmp_path, model)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"model.path: {tmp_path / 'tiny-zaya'} is not a zaya checkpoint directory" in err \
+    assert err.count("\n") == 1 and f"model.path: {tmp_path / 'tiny-zaya'} is not a model checkpoint directory" in err \
         and "is not empty" in err
     model["path"] = str(tmp_path / "zaya1-8b")  # not here: missing, not built
     assert main(["validate", write_recipe(tmp_path, model)]) == 0
-    assert f"\n  model.path: {tmp_path / 'zaya1-8b'} is not a zaya" in capsys.readouterr().out
+    assert f"\n  model.path: {tmp_path / 'zaya1-8b'} is not a model" in capsys.readouterr().out
 
 
 def test_eval_of_a_repo_missing_offline_is_one_line(hub_cache, capsys):

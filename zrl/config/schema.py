@@ -36,15 +36,19 @@ class Strict(BaseModel):
 
 class ModelSpec(Strict):
     path: str = Field(min_length=1,
-                      description="Hugging Face `zaya` checkpoint (config.json + safetensors + tokenizer): a local "
-                                  "directory, or a Hub repo id `org/name` resolved in the Hugging Face cache and "
-                                  "downloaded on first use (zrl/hub.py)")
+                      description="Hugging Face checkpoint (config.json + safetensors + tokenizer) of a registered "
+                                  "model_type (zaya, qwen3_moe: zrl/models): a local directory, or a Hub repo id "
+                                  "`org/name` resolved in the Hugging Face cache and downloaded on first use "
+                                  "(zrl/hub.py)")
     revision: str | None = Field(None, min_length=1, description="branch, tag or commit of a Hub repo id `path` "
                                                                  "(default: main); not for a local directory")
     tokenizer_path: str | None = Field(None, min_length=1, description="tokenizer directory; defaults to `path`")
     build_tiny_if_missing: bool = Field(
         False, description="build the tiny CPU checkpoint and tokenizer at `path` when it holds none; only at a "
                            "scratch asset path: a new or empty local directory whose name starts with `tiny-`")
+    tiny_arch: Literal["zaya", "qwen3_moe"] = Field(
+        "zaya", description="the model_type of the tiny model build_tiny_if_missing builds (zrl/assets.py "
+                            "TINY_BUILDERS; `zrl init-tiny-model --arch` builds the same)")
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     kernels: Literal["auto", "triton", "reference"] = Field(
         "auto", description="trainer kernels (zrl/moepp/kernels): auto = per op the fastest measured on CUDA "

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import zrl.env as env_package
-from zrl.cli import _ConsoleFormatter, main
+from zrl.cli import _ConsoleFormatter, build_parser, main
 from zrl.env import Registry
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -69,7 +69,7 @@ def test_out_of_range_from_override(tmp_path):
 
 
 VALID = GOOD.replace("{name: no_such_env}", "{name: strings, options: {tasks: copy}}")  # its model `m` is absent here
-NOT_A_CHECKPOINT = "model.path: m is not a zaya checkpoint directory (config.json and *.safetensors)"
+NOT_A_CHECKPOINT = "model.path: m is not a model checkpoint directory (config.json and *.safetensors)"
 
 
 def test_validate_summarises_on_one_screen_and_lists_what_is_absent(tmp_path):
@@ -206,6 +206,26 @@ def test_only_zrls_own_log_lines_carry_its_prefix():
 
     assert line("zrl").startswith("[zrl ") and line("zrl.run").startswith("[zrl ")
     assert line("vllm.triton_utils").startswith("[WARNING vllm.triton_utils ")
+
+
+def test_init_tiny_model_builds_the_chosen_architecture(tmp_path):
+    from zrl.assets import TINY_QWEN3_MOE_CONFIG
+    from zrl.models import family_of_checkpoint
+
+    result = zrl("init-tiny-model", str(tmp_path / "tiny-qwen3moe"), "--arch", "qwen3_moe")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"tiny qwen3_moe checkpoint and tokenizer written to {tmp_path / 'tiny-qwen3moe'}\n"
+    family = family_of_checkpoint(tmp_path / "tiny-qwen3moe")
+    assert family.model_type == "qwen3_moe"
+    assert family.read_config(tmp_path / "tiny-qwen3moe").num_experts == TINY_QWEN3_MOE_CONFIG["num_experts"]
+
+
+def test_init_tiny_model_defaults_to_zaya_and_lists_the_architectures_on_a_miss():
+    assert build_parser().parse_args(["init-tiny-model", "d"]).arch == "zaya"
+    result = zrl("init-tiny-model", "d", "--arch", "llama")
+    assert result.returncode == 2 and "Traceback" not in result.stderr and not (ROOT / "d").exists()
+    last = result.stderr.strip().splitlines()[-1]
+    assert "--arch: invalid choice: 'llama'" in last and "qwen3_moe" in last and "zaya" in last
 
 
 def test_no_command_is_a_usage_error():

@@ -347,7 +347,7 @@ CASES = [
          edit=env(f"{PLUGIN}:SampleRaises"), command="run"),
     Case("run-unknown-environment", [("stages[1].environments[0].name", "unknown environment 'no_such_env'")],
          edit=env("no_such_env"), command="run"),
-    Case("run-model-missing", [("model.path", "is not a zaya checkpoint directory")],
+    Case("run-model-missing", [("model.path", "is not a model checkpoint directory")],
          edit=lambda d, p: d["model"].update(path=str(p / "absent")), command="run"),
     Case("run-context-too-long", [("stages[0].max_sequence_tokens", "exceeds the model's context")],
          edit=at("stages.0.max_sequence_tokens", 2048), command="run"),

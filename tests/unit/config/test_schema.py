@@ -275,3 +275,18 @@ def test_self_rollouts_name_an_entry_of_their_stage_and_say_where_they_are_writt
 def test_evaluation_is_off_unless_asked_for():
     assert RLStage(name="s", steps=1, environments=[{"name": "strings"}]).evaluation.prompts == 0
     assert errors_of(minimal(evaluation={"prompts": -1}))[0].startswith("stages[0].evaluation.prompts:")
+
+
+def test_tiny_arch_names_a_tiny_builder_of_a_registered_family():
+    from typing import get_args
+
+    from zrl.assets import TINY_BUILDERS, TINY_CONFIGS
+    from zrl.config.schema import ModelSpec
+    from zrl.models import registered_types
+
+    archs = set(get_args(ModelSpec.model_fields["tiny_arch"].annotation))
+    assert archs == set(TINY_BUILDERS) == set(TINY_CONFIGS) and archs <= set(registered_types())
+    assert parse_recipe(minimal(), "r.yaml").model.tiny_arch == "zaya"
+    data = minimal()
+    data["model"]["tiny_arch"] = "llama"
+    assert [line for line in errors_of(data) if line.startswith("model.tiny_arch")]
