@@ -1,6 +1,7 @@
 """The models the rollout engine serves, by config.json's `model_type`, and what differs between them.
 
-Everything model-specific of serving is here: how a forward's routing is read (`RoutingCapture`), how
+Everything model-specific of serving is here: how a forward's routing is read (the capture class of the
+kind the model contract's family names, `zrl.models.ModelFamily.routing_capture`), how
 many columns a routing row has, which HF tensors make a complete weight update, and what must be
 rebuilt after one. The engine (engine.py) and the worker extension (worker_ext.py) look a model up by
 `served_model(model_type)` and are otherwise model-agnostic.
@@ -23,6 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from zrl.models import ROUTING_CAPTURE_MODEL_FORWARD, ROUTING_CAPTURE_ROUTER_HOOK, get_family
 from zrl.types import NO_ROUTE
 
 
@@ -115,17 +117,25 @@ def _zaya_after_load(model: nn.Module) -> None:
     model.refresh_derived_weights()  # the fp32 LM-head copy off CUDA
 
 
+# How each kind of the model contract's `routing_capture` (zrl.models) is read from a served model.
+CAPTURES = {ROUTING_CAPTURE_MODEL_FORWARD: ZayaCapture, ROUTING_CAPTURE_ROUTER_HOOK: RouterCapture}
+
+
 @dataclasses.dataclass(frozen=True)
 class ServedModel:
     model_type: str  # config.json's
-    capture: Callable[[nn.Module, int], ZayaCapture | RouterCapture]  # (model, max tokens of a step)
     checkpoint_keys: Callable[[nn.Module], frozenset[str]]  # HF keys a complete weight update holds
     after_load: Callable[[nn.Module], None] = lambda model: None  # derived tensors to rebuild after a load
 
+    @property
+    def capture(self) -> Callable[[nn.Module, int], ZayaCapture | RouterCapture]:
+        """(model, max tokens of a step) -> the capture: the kind the architecture's model family names."""
+        return CAPTURES[get_family(self.model_type).routing_capture]
+
 
 SERVED_MODELS: dict[str, ServedModel] = {
-    "zaya": ServedModel("zaya", ZayaCapture, _zaya_checkpoint_keys, _zaya_after_load),
-    "qwen3_moe": ServedModel("qwen3_moe", RouterCapture, _qwen3_moe_checkpoint_keys),
+    "zaya": ServedModel("zaya", _zaya_checkpoint_keys, _zaya_after_load),
+    "qwen3_moe": ServedModel("qwen3_moe", _qwen3_moe_checkpoint_keys),
 }
 
 
