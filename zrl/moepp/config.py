@@ -44,6 +44,18 @@ class ConfigError(ValueError):
     """A zaya config that this implementation cannot run exactly; the message names the key."""
 
 
+def leftover_keys(cfg: dict[str, Any], ignored: frozenset[str], strict: bool, model_type: str) -> dict[str, Any]:
+    """What a config parser leaves in `cfg`: the `ignored` keys, returned to pass through to config.json;
+    any other key raises ConfigError (strict) or is logged and dropped."""
+    passthrough = {key: cfg.pop(key) for key in list(cfg) if key in ignored}
+    if cfg:
+        if strict:
+            raise ConfigError(f"unsupported config key(s) {sorted(cfg)}: this implementation does not know "
+                              f"what they change (pass strict=False to ignore them)")
+        logger.warning("ignoring unknown %s config keys %s", model_type, sorted(cfg))
+    return passthrough
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEPPConfig:
     """The numbers that define a ZAYA1 MoE++ model (names follow the HF `zaya` config).
@@ -165,13 +177,7 @@ class MoEPPConfig:
                     "pad_token_id"):
             if key in cfg:
                 fields[key] = cfg.pop(key)
-        passthrough = {key: cfg.pop(key) for key in list(cfg) if key in _IGNORED_KEYS}
-        if cfg:
-            if strict:
-                raise ConfigError(f"unsupported config key(s) {sorted(cfg)}: this implementation does not know "
-                                  f"what they change (pass strict=False to ignore them)")
-            logger.warning("ignoring unknown zaya config keys %s", sorted(cfg))
-        return cls(**fields, passthrough=passthrough)
+        return cls(**fields, passthrough=leftover_keys(cfg, _IGNORED_KEYS, strict, MODEL_TYPE))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict that transformers' `ZayaConfig` loads into the same architecture."""

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 from pathlib import Path
 from typing import Any, ClassVar
 
-from zrl.moepp.config import ConfigError
+from zrl.moepp.config import ConfigError, leftover_keys
 from zrl.types import NO_ROUTE
 
-logger = logging.getLogger(__name__)
 
 MODEL_TYPE = "qwen3_moe"
 # Routing records hold expert ids 0..E-1 as uint8 with NO_ROUTE (255) meaning "no record" (no skip class).
@@ -158,13 +156,7 @@ class Qwen3MoEConfig:
                     "tie_word_embeddings", "attention_bias", "pad_token_id"):
             if key in cfg:
                 fields[key] = cfg.pop(key)
-        passthrough = {key: cfg.pop(key) for key in list(cfg) if key in _IGNORED_KEYS}
-        if cfg:
-            if strict:
-                raise ConfigError(f"unsupported config key(s) {sorted(cfg)}: this implementation does not know "
-                                  f"what they change (pass strict=False to ignore them)")
-            logger.warning("ignoring unknown qwen3_moe config keys %s", sorted(cfg))
-        return cls(**fields, passthrough=passthrough)
+        return cls(**fields, passthrough=leftover_keys(cfg, _IGNORED_KEYS, strict, MODEL_TYPE))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict that transformers' `Qwen3MoeConfig` (and vLLM) load into the same architecture."""
