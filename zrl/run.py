@@ -246,7 +246,8 @@ def _stop_on_signals():
 
 
 def _run(recipe: Recipe, address: str | None, point, resume_command: str) -> int:
-    from zrl.pipeline.controller import Cascade, latest_checkpoint
+    from zrl.pipeline.controller import Cascade, latest_checkpoint, rollback_point
+    from zrl.pipeline.health import RollBack, record_rollback
 
     model_path = prepare_model(recipe)
     if recipe.reward_model is not None:
@@ -279,6 +280,14 @@ def _run(recipe: Recipe, address: str | None, point, resume_command: str) -> int
                 restarts -= 1
                 log.warning("%s; restarting the trainer pool from the checkpoint at trainer step %d (%d restart(s) "
                             "left)", exc, point.step, restarts)
+            except RollBack as exc:
+                point = rollback_point(recipe, exc.good_step)
+                if point is None:
+                    return _stopped(f"{exc} (no checkpoint at or before step {exc.good_step} to roll back to)",
+                                    latest_checkpoint(recipe.output_dir), resume_command, 1)
+                record_rollback(RunDir(recipe.output_dir).alarms, exc.stage, exc.alarm_step, point.step)
+                log.warning("%s; rolling back to the checkpoint at trainer step %d (health.on_alarm: rollback)",
+                            exc, point.step)
             except StageStopped as exc:
                 return _stopped(str(exc), latest_checkpoint(recipe.output_dir), resume_command, 1)
             except Interrupted as exc:

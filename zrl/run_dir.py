@@ -4,11 +4,12 @@
       recipe.resolved.yaml                  the recipe as run, checked on --resume (zrl/run.py)
       driver.json                           the driver holding the directory: pid, host, tag (zrl/run.py)
       metrics.jsonl                         one row per logged trainer step (zrl/metrics.py)
+      alarms.jsonl                          every learning-health alarm and rollback (zrl/pipeline/health.py)
       tensorboard/                          TensorBoard event files
       wandb_run_id                          the W&B run id, kept across resumes
       checkpoints/step_XXXXXX/              one checkpoint per saved trainer step
       checkpoints/latest.json               {stage, step, path} of the newest complete one, written last
-      stages/<stage>/hf/                    the stage's exported policy (Hugging Face `zaya`)
+      stages/<stage>/hf/                    the stage's exported policy (Hugging Face, the model's family)
       stages/<stage>/rollouts/<entry>.jsonl the stage's self-rollouts, for later stages
       stages/<stage>/summary.png            the stage's summary figure (zrl/plots.py)
       stages/<stage>/stage.json             the stage record: written last, it marks the stage finished
@@ -51,6 +52,10 @@ class RunDir:
     @property
     def wandb_id(self) -> Path:
         return self.root / "wandb_run_id"
+
+    @property
+    def alarms(self) -> Path:
+        return self.root / "alarms.jsonl"
 
     @property
     def checkpoints(self) -> Path:

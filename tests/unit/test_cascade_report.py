@@ -49,3 +49,19 @@ def test_the_report_is_one_page_with_every_stage(tmp_path):
 
 def test_no_finished_stage_writes_no_report(tmp_path):
     assert write_cascade_report(tmp_path, "empty") is None and not (tmp_path / REPORT_FILE).exists()
+
+
+def test_a_stage_with_alarms_is_marked_and_its_export_compared_with_its_start(tmp_path):
+    run_dir, _, rows = _run_dir(tmp_path)
+    rows[2].update({"eval/policy_version": 2, "eval/strings/accuracy": 0.9})  # the RL stage's start: 0.9
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "alarms.jsonl").write_text(json.dumps(
+        {"stage": "rl", "step": 4, "signal": "canary", "message": "canary/lz77_flagged_fraction 0.500 > 0.2",
+         "action": "warn", "good_step": 3}) + "\n")
+    page = write_cascade_report(run_dir, "mini").read_text()
+    assert "<tr style='background:#fdd'>" in page and page.count("<tr>") == 2  # header + the quiet SFT stage
+    assert "step 4 canary: canary/lz77_flagged_fraction 0.500 &gt; 0.2" in page
+    assert "<span style='color:#b00'>strings: 0.900 → 0.750 ▼</span>" in page  # worse than its start
+    rl = stage_summary(json.loads((run_dir / "stages/rl/stage.json").read_text()), rows[2:],
+                       [{"stage": "rl", "step": 4, "signal": "canary"}, {"stage": "sft", "step": 1, "signal": "x"}])
+    assert rl["held_out_start"] == {"strings": 0.9} and [a["step"] for a in rl["alarms"]] == [4]

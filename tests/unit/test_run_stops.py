@@ -98,3 +98,26 @@ def test_every_other_stop_is_one_line_with_the_resume_command(recipe, monkeypatc
     fake_run(monkeypatch, [outcome])
     assert run_module._run(recipe, None, None, RESUME) == code
     assert stop_lines(caplog) == [f"{line}; latest checkpoint: trainer step 175; resume with: {RESUME}"]
+
+
+def test_a_rollback_resumes_from_the_newest_checkpoint_at_or_before_the_healthy_step(recipe, monkeypatch, caplog):
+    from zrl.pipeline.health import RollBack, read_alarms
+
+    checkpoints = Path(recipe.output_dir) / "checkpoints"
+    for step in (160, 170, 180):  # the SFT stage ends at 160, copy_rl covers 161-190
+        (checkpoints / f"step_{step:06d}").mkdir(parents=True)
+    checkpoint_at(recipe, 180)
+    starts = fake_run(monkeypatch, [RollBack("stage 'copy_rl' stopped at step 183: canary: ...", "copy_rl", 183, 178),
+                                    RollBack("stage 'copy_rl' stopped at step 171: ...", "copy_rl", 171, 165),
+                                    190])
+    assert run_module._run(recipe, None, None, RESUME) == 0
+    assert [(s.stage, s.step) for s in starts[1:]] == [("copy_rl", 170), ("sft_warm_start", 160)]
+    assert json.loads((checkpoints / "latest.json").read_text())["step"] == 160  # a crash now resumes there
+    assert [(a["step"], a["good_step"]) for a in read_alarms(Path(recipe.output_dir) / "alarms.jsonl")] == [
+        (183, 170), (171, 160)]
+
+    starts = fake_run(monkeypatch, [RollBack("stage 'copy_rl' stopped at step 2: ...", "copy_rl", 2, 1)])
+    for path in checkpoints.glob("step_*"):
+        path.rmdir()
+    assert run_module._run(recipe, None, None, RESUME) == 1
+    assert "(no checkpoint at or before step 1 to roll back to)" in stop_lines(caplog)[-1]

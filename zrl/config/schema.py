@@ -420,12 +420,36 @@ class StageBase(Strict):
         return self
 
 
+class Health(Strict):
+    """The signals that say an RL stage's learning went wrong, and what the run does when one fires
+    (zrl/pipeline/health.py). A threshold of null turns its check off."""
+
+    on_alarm: Literal["warn", "stop", "rollback"] = Field(
+        "warn", description="warn: a warning line and a mark in the cascade report; stop: the stage stops after "
+        "the step (resumable); rollback: the run goes back to the newest checkpoint before the alarm and "
+        "continues on a fresh prompt and sampling stream")
+    held_out_sigmas: float | None = Field(
+        2.0, gt=0, description="alarm when an entry's held-out accuracy is below the stage's first evaluation "
+        "by more than this many standard errors of the difference")
+    max_canary_frac: float | None = Field(
+        0.2, gt=0, le=1, description="alarm when the LZ77-flagged or gibberish fraction of the received "
+        "rollouts exceeds this")
+    max_mismatch_kl: float | None = Field(
+        1e-2, gt=0, description="alarm when the on-policy engine/trainer KL (mismatch/onpolicy_kl_k3) exceeds this")
+    grad_norm_factor: float | None = Field(
+        10.0, gt=1, description="alarm when grad/norm_total exceeds this many times the median of the "
+        "stage's earlier steps")
+    grad_norm_warmup_steps: int = Field(5, ge=1, description="steps before the grad-norm check starts")
+    max_rollbacks: int = Field(2, ge=0, description="rollbacks in one stage; the next alarm stops it")
+
+
 class RLStage(StageBase):
     kind: Literal["rl"] = "rl"
     sampling: Sampling = Sampling()
     algorithm: Algorithm = Algorithm()
     optimizer: Optimizer = Optimizer()
     asynchrony: Asynchrony = Asynchrony()
+    health: Health = Health()
 
     @model_validator(mode="after")
     def _group_rules(self):

@@ -2,7 +2,7 @@
 
 The trainer pool (one FSDP2 process group) lives for the whole cascade, so each stage starts from the
 previous stage's final policy in memory. At the end of every stage the policy is written as a Hugging
-Face `zaya` checkpoint (`<output_dir>/stages/<name>/hf`); the stage's `evaluation` (held-out accuracy of
+Face checkpoint of the model's family (`<output_dir>/stages/<name>/hf`); the stage's `evaluation` (held-out accuracy of
 that export per entry) and `self_rollouts` files (its samples on an entry's training problems, the
 rollouts of a later stage's aggregation entries), both from one engine on the rollout pool's first
 bundle; a summary figure of the stage's metrics (`stages/<name>/summary.png`, zrl/plots.py) and, last,
@@ -40,6 +40,10 @@ Resume (`zrl run --resume`, a `ResumePoint` read from latest.json at trainer ste
   keeps one run id per run directory (`wandb_run_id`), so an offline resumed run syncs into the same
   run; wandb ignores steps it already has, so for the steps between s and the interruption it keeps
   the values the interrupted run logged.
+- A rollback (an alarm with `health.on_alarm: rollback`, zrl/pipeline/health.py) is a resume from the newest
+  checkpoint at or before the alarm's last healthy step; the rolled-back RL stage's seed moves on by
+  ROLLBACK_SEED_STRIDE per rollback recorded in alarms.jsonl, so its prompts and samples differ from the
+  steps that led to the alarm.
 """
 
 import contextlib
@@ -61,6 +65,7 @@ from zrl.env import registry
 from zrl.evaluate import EvalResult
 from zrl.metrics import MetricsLogger
 from zrl.pipeline.faults import RANK_FAILURE_GRACE_S, reason_of, trainer_results
+from zrl.pipeline.health import ROLLBACK_SEED_STRIDE, rollbacks_made
 from zrl.pipeline.held_out import held_out_metrics, held_out_requests
 from zrl.pipeline.pools import Pool, release, reserve_pools
 from zrl.pipeline.rl_stage import RLStageRunner, StageContext
@@ -90,6 +95,19 @@ def latest_checkpoint(run_dir: str | Path) -> ResumePoint | None:
         return None
     data = json.loads(layout.latest.read_text())
     return ResumePoint(stage=data["stage"], step=int(data["step"]), path=layout.checkpoints / Path(data["path"]).name)
+
+
+def rollback_point(recipe: Recipe, step: int) -> ResumePoint | None:
+    """The newest checkpoint at or before trainer step `step`, made the run's latest (latest.json), or None.
+    Resuming from it (`Cascade(resume=...)`) removes the checkpoints and metric rows after it."""
+    layout = RunDir(recipe.output_dir)
+    saved = [(s, path) for s, path in layout.checkpoint_steps() if s <= step]
+    if not saved:
+        return None
+    saved_step, path = saved[-1]
+    stage = next(s.name for s, (first, last) in zip(recipe.stages, stage_bounds(recipe)) if first < saved_step <= last)
+    _write_atomic(layout.latest, json.dumps({"stage": stage, "step": saved_step, "path": str(path)}) + "\n")
+    return ResumePoint(stage=stage, step=saved_step, path=path)
 
 
 def stage_bounds(recipe: Recipe) -> list[tuple[int, int]]:
@@ -293,10 +311,13 @@ class Cascade:
     def _run_rl_stage(self, stage, ranks: list, first_step: int, step: int, data_state: dict | None,
                       checkpoint) -> int:
         resume = {} if data_state is None else {"resume_step": step, "data_state": data_state}
+        # A rollback moves the stage's prompt and sampling stream on, so it does not replay what led to the alarm.
+        rollbacks = rollbacks_made(self.layout.alarms, stage.name)
         ctx = StageContext(ranks=ranks, rollout_pool=self.rollout_pool, model_path=self.model_path,
                            engine_dtype=self.recipe.model.dtype, kernels=self.recipe.model.kernels,
                            token_budget=trainer_settings(self.recipe, stage).token_budget,
-                           seed=self.recipe.seed + first_step, run_dir=str(self.run_dir),
+                           seed=self.recipe.seed + first_step + ROLLBACK_SEED_STRIDE * rollbacks,
+                           run_dir=str(self.run_dir),
                            log_metrics=self._log(stage), checkpoint=checkpoint,
                            verifier_workers=self.recipe.resources.verifier_workers,
                            cpus_per_verifier_worker=self.recipe.resources.cpus_per_verifier_worker,
@@ -306,7 +327,8 @@ class Cascade:
         inherits = data_state is None
         frontier = self._frontier if inherits and stage.inherit.length_reward_state else None
         curriculum = self._curriculum if inherits and stage.inherit.curriculum else None
-        runner = RLStageRunner(stage, ctx, first_step=first_step, frontier=frontier, curriculum=curriculum, **resume)
+        runner = RLStageRunner(stage, ctx, first_step=first_step, frontier=frontier, curriculum=curriculum,
+                               rollbacks=rollbacks, **resume)
         self._inherited = runner.inherited if inherits else None
         step = runner.run()
         self._frontier, self._curriculum = runner.final_frontier, runner.final_curriculum

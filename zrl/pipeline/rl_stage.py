@@ -41,6 +41,7 @@ from zrl.env.base import EnvironmentFault
 from zrl.pipeline import stage_state
 from zrl.pipeline.faults import (RANK_FAILURE_GRACE_S, ProgressWatchdog, StageStopped, StopRequest, TrainerFailed,
                                  raise_if_stop_requested, reason_of, trainer_results)
+from zrl.pipeline.health import HealthMonitor, baseline_from_metrics
 from zrl.pipeline.held_out import InTrainingEvaluations
 from zrl.pipeline.pools import Pool, light_actor
 from zrl.pipeline.rollout_worker import RolloutWorker
@@ -56,6 +57,7 @@ from zrl.pipeline.sync_coordinator import SyncCoordinator
 from zrl.pipeline.verifier_pool import VerifierPool
 from zrl.pipeline.worker_restarts import WorkerRestarts
 from zrl.prompts import build_entries
+from zrl.run_dir import RunDir
 
 log = logging.getLogger("zrl")
 
@@ -82,11 +84,13 @@ class StageContext:
 
 class RLStageRunner:
     def __init__(self, stage: RLStage, ctx: StageContext, first_step: int, resume_step: int | None = None,
-                 data_state: dict | None = None, frontier: dict | None = None, curriculum: dict | None = None):
+                 data_state: dict | None = None, frontier: dict | None = None, curriculum: dict | None = None,
+                 rollbacks: int = 0):
         """Trains the stage's steps from trainer step `first_step` (or, with a checkpoint's
         `data_state`, from `resume_step`, the ranks already holding its weights). `frontier`: the
         running max solve rates a previous stage ended with (recipe `inherit.length_reward_state`);
-        `curriculum`: the previous stage's difficulty-scheduler state (recipe `inherit.curriculum`)."""
+        `curriculum`: the previous stage's difficulty-scheduler state (recipe `inherit.curriculum`);
+        `rollbacks`: the rollbacks the run made in this stage already (zrl/pipeline/health.py)."""
         self.stage, self.ctx = stage, ctx
         a = stage.asynchrony
         step = first_step if resume_step is None else resume_step
@@ -124,8 +128,13 @@ class RLStageRunner:
                                     self.restarts.next_seq)
         self.admission = StageAdmission(self.schedule, self.verifiers, self.buffer, self.curriculum, self.watchdog,
                                         self.counters, self.pending, self._fetch)
-        self.reporter = StageReporter(stage.name, self.counters, ctx.log_metrics, self.curriculum)
+        self.reporter = StageReporter(stage.name, stage.steps, self.counters, ctx.log_metrics, self.curriculum)
         self.evaluations = InTrainingEvaluations(stage, step, first_step + stage.steps, ctx.evaluation_seed)
+        layout = RunDir(ctx.run_dir)
+        self.reporter.health = HealthMonitor(
+            stage.name, stage.health, eval_samples=stage.evaluation.prompts * stage.evaluation.samples,
+            start_version=step, alarms_path=layout.alarms, rollbacks=rollbacks,
+            baseline=baseline_from_metrics(layout.metrics, first_step) if resume_step is not None else None)
         if data_state is not None:
             passed_on = stage_state.restore(stage.name, data_state, self.buffer, self.workers, self.worker_states,
                                             self.curriculum, step)
@@ -164,9 +173,13 @@ class RLStageRunner:
         return s.trainer_step
 
     def _check_progress(self) -> None:
-        """Stop on a signal (at a step boundary, after a checkpoint) or when the stage cannot progress."""
+        """Stop on a signal (at a step boundary, after a checkpoint), on an alarm that asks for it
+        (health.on_alarm) or when the stage cannot progress."""
         if StopRequest.requested() and not self.schedule.training:
             raise_if_stop_requested(self.schedule.trainer_step, self._checkpoint_now)
+        stop = self.reporter.health.stop_request()
+        if stop is not None:
+            raise stop
         reason = self.watchdog.reason()
         if reason is not None:
             counts = counts_line(ray.get(self.buffer.counts.remote()), self.schedule)

@@ -10,7 +10,8 @@ each pool's tokens per wall-clock second of it.
 
 `StageReporter` owns the reporting window: it writes the row and the line after every step, says
 what the stage waits for while no step completes (the heartbeat), and holds a held-out evaluation's
-values until a row carries them. It gets what it reports as values (no Ray here).
+values until a row carries them; its `health` monitor checks every row before it is written
+(zrl/pipeline/health.py). It gets what it reports as values (no Ray here).
 """
 
 from __future__ import annotations
@@ -90,9 +91,15 @@ def step_metrics(counters: StageCounters, schedule: StageSchedule, trainer: dict
     return values
 
 
-def progress_line(step: int, end_step: int, values: dict[str, float]) -> str:
+def step_count(step: int, end_step: int, stage_steps: int) -> str:
+    """`step 241/270 (stage 1/30)`: the run's trainer step and the stage's last one, then the step's count
+    within the stage (of its `stage_steps`)."""
+    return f"step {step}/{end_step} (stage {step - (end_step - stage_steps)}/{stage_steps})"
+
+
+def progress_line(step: int, end_step: int, stage_steps: int, values: dict[str, float]) -> str:
     reward = values.get("reward/mean")
-    return (f"step {step}/{end_step} | reward {'-' if reward is None or math.isnan(reward) else f'{reward:.3f}'} | "
+    return (f"{step_count(step, end_step, stage_steps)} | reward {'-' if reward is None or math.isnan(reward) else f'{reward:.3f}'} | "
             f"loss {values.get('loss/policy', float('nan')):.4f} | staleness max {int(values.get('staleness/max', 0))} | "
             f"buffered {int(values.get('buffer/occupancy', 0))} | gen {values['throughput/rollout_tokens_per_s']:.0f} tok/s | "
             f"train {values.get('perf/tokens_per_s', 0.0):.0f} tok/s | sync {values['sync/time_s']:.2f} s | "
@@ -123,11 +130,12 @@ def log_ledger(stage_name: str, counts: dict[str, int], lost_groups: int) -> Non
 
 
 class StageReporter:
-    def __init__(self, stage_name: str, counters: StageCounters, log_metrics, curriculum=None):
-        """`log_metrics`: callable(step, values) -> whether the row was written; `curriculum`: the
-        stage's StageCurriculum, or None."""
-        self.stage_name, self.counters, self.curriculum = stage_name, counters, curriculum
+    def __init__(self, stage_name: str, stage_steps: int, counters: StageCounters, log_metrics, curriculum=None):
+        """`stage_steps`: the stage's trainer steps; `log_metrics`: callable(step, values) -> whether the row
+        was written; `curriculum`: the stage's StageCurriculum, or None."""
+        self.stage_name, self.stage_steps, self.counters, self.curriculum = stage_name, stage_steps, counters, curriculum
         self.log_metrics = log_metrics
+        self.health = None  # the stage's HealthMonitor (zrl/pipeline/health.py), which checks every row
         self.window_start = self.last_heartbeat = time.perf_counter()
         self.eval_values: dict[str, float] = {}  # the latest evaluation's metrics, until a row carries them
 
@@ -144,9 +152,12 @@ class StageReporter:
                     metric = f"env/{key}/{name}"
                     values[metric] = values.get(metric, 0.0) + value
         step = schedule.trainer_step
-        if self.log_metrics(step, {**values, **self.eval_values}):
+        row = {**values, **self.eval_values}
+        if self.health is not None:
+            row.update(self.health.check(step, row))
+        if self.log_metrics(step, row):
             self.eval_values = {}
-        log.info(progress_line(step, schedule.end_step, values))
+        log.info(progress_line(step, schedule.end_step, self.stage_steps, values))
         self.window_start = now
         self.counters.reset_window()
 
