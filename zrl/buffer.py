@@ -58,8 +58,8 @@ they were started no group goes stale either. A group that finishes after a late
 the last pull its version allows (the trainer does not wait for it); it is then evicted as stale —
 pacing reduces waste, the eviction is the guarantee.
 
-Resume: `state_dict` keeps counters, the frontier and its pending observations, the trainer step,
-the staleness histogram and the prompt ledger. Buffered groups are not saved (they hold token, logprob and routing arrays
+Resume: `state_dict` keeps counters (the verifier errors per entry too), the frontier and its pending
+observations, the trainer step, the staleness histogram and the prompt ledger. Buffered groups are not saved (they hold token, logprob and routing arrays
 and are cheap to regenerate relative to a checkpoint's size); they are counted as
 `discarded_on_resume` in the saved state.
 """
@@ -270,6 +270,7 @@ class RolloutBuffer:
         self.frontier = frontier if frontier is not None else SolveRateFrontier()
         self._ledger: set[str] = set()             # ids of every group received in the stage
         self._counts = dict.fromkeys(SCORING_COUNTERS, 0)  # the queue keeps its own
+        self._entry_errors: dict[str, int] = {}    # entry key (Prompt.env) -> its rollouts' verifier errors
         self._staleness_hist: dict[int, int] = {}  # staleness -> released rollouts
         self._pending_solve: dict[str, list[float]] = {}  # source -> [gated reward sum, rollouts]
         self._pending_groups = 0
@@ -376,6 +377,8 @@ class RolloutBuffer:
         c["rollouts_received"] += g
         c["canary_flagged"] += flagged
         c["verifier_errors"] += errors
+        if errors:
+            self._entry_errors[group.prompt.env] = self._entry_errors.get(group.prompt.env, 0) + errors
         w.groups += 1
         w.rollouts += g
         w.reward_sum += task_sum
@@ -454,6 +457,8 @@ class RolloutBuffer:
         out["buffer/trainer_step"] = float(self.trainer_step)
         out["canary/lz77_flagged"] = float(c["canary_flagged"])
         out["env/verifier_errors"] = float(c["verifier_errors"])
+        for entry, errors in self._entry_errors.items():
+            out[f"env/{entry}/verifier_errors"] = float(errors)
         released_rollouts = sum(self._staleness_hist.values())
         for s in range(self.asynchrony.max_staleness_steps + 1):
             out[f"staleness/cumulative_{s}"] = float(self._staleness_hist.get(s, 0))
@@ -502,6 +507,7 @@ class RolloutBuffer:
             "pending_solve": {s: list(v) for s, v in self._pending_solve.items()},
             "pending_groups": self._pending_groups,
             "ledger": sorted(self._ledger),
+            "entry_errors": dict(self._entry_errors),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -524,6 +530,7 @@ class RolloutBuffer:
         self._pending_solve = {str(s): [float(v[0]), int(v[1])] for s, v in state["pending_solve"].items()}
         self._pending_groups = int(state["pending_groups"])
         self._ledger = set(state["ledger"])
+        self._entry_errors = {str(k): int(v) for k, v in state.get("entry_errors", {}).items()}  # absent from older states
         if len(self._ledger) != self._counts["received"]:
             raise ValueError(f"buffer state: the prompt ledger holds {len(self._ledger)} ids but "
                              f"{self._counts['received']} groups were received")

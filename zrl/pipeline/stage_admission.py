@@ -6,7 +6,8 @@ difficulty schedulers calibrate, to them alone. The schedule hears each step as 
 was handed on (`GroupHandedOn`, lost when its rollout worker died with its arrays), then admitted
 (`GroupAdmitted`). Verifier faults cost rewards, not groups: a verify call whose verifier was restarted
 under it is tried once more elsewhere, then its responses get reward 0 ("verifier died"); a call past
-the pool's backstop gets reward 0 ("timeout after ... s").
+the pool's backstop gets reward 0 ("timeout after ... s"). The first occurrence of each distinct error
+an entry's verifications carry is a console warning (zrl/pipeline/env_errors.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 
 from ray.exceptions import RayActorError, RayError
 
+from zrl.pipeline.env_errors import EnvErrorLog
 from zrl.pipeline.faults import ProgressWatchdog
 from zrl.pipeline.rollout_worker import GroupTicket
 from zrl.pipeline.schedule import GroupAdmitted, GroupHandedOn, StageSchedule
@@ -33,6 +35,7 @@ class StageAdmission:
         `fetch`: the loop's counting ray.get."""
         self.schedule, self.verifiers, self.buffer, self.curriculum = schedule, verifiers, buffer, curriculum
         self.watchdog, self.counters, self.pending, self.fetch = watchdog, counters, pending, fetch
+        self.env_errors = EnvErrorLog()
 
     def verify(self, ticket: GroupTicket, retried: bool = False) -> None:
         ref, call = self.verifiers.submit(ticket, retried)
@@ -43,6 +46,7 @@ class StageAdmission:
         try:
             result = self.fetch(ref)
             verifications = result.verifications
+            self.env_errors.record(result.env, verifications)
             self.counters.verifier_timeouts += result.timeouts
             busy = {c.verifier for c in self.pending.values() if isinstance(c, VerifyCall)}
             self.verifiers.check_health(call.verifier, result.hung_threads, busy)

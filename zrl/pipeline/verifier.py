@@ -48,6 +48,7 @@ class VerifiedGroup:
     seconds: float                           # time spent verifying the group (execution, not queueing)
     hung_threads: int                        # abandoned verify threads still running in this process
     timeouts: int                            # responses of this group that ran out of time
+    env: str                                 # the key of the entry that made the group's prompt (Prompt.env)
 
 
 class _CallThread:
@@ -103,12 +104,12 @@ class Verifier:
         here: the responses go from the object store to this process, never through the driver); a
         multi-turn group comes with its episodes' rewards, which it returns as they are."""
         if group.verifications is not None:  # a multi-turn group: its environment scored the episodes
-            return VerifiedGroup(group.verifications, 0.0, self.hung_threads, 0)
+            return VerifiedGroup(group.verifications, 0.0, self.hung_threads, 0, group.prompt.env)
         start = time.perf_counter()
         timeouts_before = self.timeouts
         verifications = self.verify(group.prompt, list(group.texts))
         return VerifiedGroup(verifications, time.perf_counter() - start, self.hung_threads,
-                             self.timeouts - timeouts_before)
+                             self.timeouts - timeouts_before, group.prompt.env)
 
     def _call(self, fn, args: tuple, timeout_s: float, responses: int) -> tuple[Verification, ...]:
         """`fn(*args)` on the worker thread: its Verification(s), or reward 0 for each of the call's

@@ -361,6 +361,22 @@ def test_metrics_counts_and_window_means():
     assert "reward/received_mean" not in m2 and m2["buffer/received"] == 3  # window reset, counts cumulative
 
 
+def test_verifier_errors_are_counted_per_entry_and_survive_resume():
+    buf = make_buffer(batch=1, ready=1)
+    buf.admit(make_group("a", [1, 0, 0, 0], errors=[None, "KeyError: 'x'", "KeyError: 'x'", None], env="arith"))
+    buf.admit(make_group("b", [1, 1, 0, 0], errors=["TimeoutError"] + [None] * 3, env="logic"))
+    buf.admit(make_group("c", [1, 0, 0, 0], env="strings"))
+    m = buf.metrics()
+    assert (m["env/arith/verifier_errors"], m["env/logic/verifier_errors"], m["env/verifier_errors"]) == (2, 1, 3)
+    assert "env/strings/verifier_errors" not in m  # an entry without errors has no series
+    fresh = make_buffer(batch=1, ready=1)
+    fresh.load_state_dict(json.loads(json.dumps(buf.state_dict())))
+    assert fresh.metrics()["env/arith/verifier_errors"] == 2
+    older = {k: v for k, v in buf.state_dict().items() if k != "entry_errors"}  # saved before it was kept
+    fresh.load_state_dict(older)
+    assert not [k for k in fresh.metrics() if k.startswith("env/arith/")]
+
+
 def test_verification_reasons_are_counted_per_environment():
     """A verifier's metadata["reason"] (why a response earned what it did) becomes the fraction of that
     environment's rollouts in the released batch: verify/<env>/<reason, spaces as underscores>."""
