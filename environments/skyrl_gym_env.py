@@ -11,6 +11,10 @@ Options:
 - `max_turns`: policy messages per episode (the loop's limit, also handed to the env as SkyRL does).
 - `reward`: `last` (the last turn's reward, what SkyRL trains on) or `sum` (the turn rewards so far,
   capped at 1).
+- `allow_unsandboxed_code`: run envs that execute the policy's output (`RUNS_CODE`: `lcb`, `searchcode`,
+  `text2sql`, the RLM envs, any env with skyrl-gym's Python or SQL tool) with skyrl-gym's own executors,
+  on this machine, outside zrl's sandbox (zrl/sandbox.py). Default false: such an env is refused. When
+  allowed, each such env is named in a warning once per process.
 
 As in SkyRL's generator, an env gets `extras` = its row without `prompt` and `env_class`, plus
 `max_turns`; it is made once per episode and closed when the episode ends; the prompt the policy sees is
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import numbers
 import random
 import threading
@@ -32,6 +37,7 @@ from pathlib import Path
 
 import skyrl_gym
 from omegaconf import OmegaConf
+from skyrl_gym.envs.registration import load_env_creator
 
 from zrl.env.base import in_split
 from zrl.env.episode import Episode, EpisodicEnvironment, Turn
@@ -39,6 +45,19 @@ from zrl.env.registry import UnknownEnvironmentError, load_reference
 from zrl.types import Message, Prompt, Split
 
 _REGISTER = threading.Lock()  # two instances built at once (workers' draw threads) register a reference once
+log = logging.getLogger("zrl")
+
+# skyrl-gym's classes that execute the policy's output on this machine, outside zrl's sandbox, by the env or
+# tool-group class an env is or derives from (`module:qualname`): what each runs, and how.
+RUNS_CODE = {
+    "skyrl_gym.envs.lcb.env:LCBEnv": "the policy's Python program (exec() in a child process)",
+    "skyrl_gym.envs.rlm.env:BaseRLMEnv": "the policy's REPL code (exec() in the env's own process)",
+    "skyrl_gym.envs.searchcode.env:SearchCodeEnv": "the policy's Python tool calls (`python -c`)",
+    "skyrl_gym.envs.sql.env:SQLEnv": "the policy's SQL on the data's SQLite files",
+    "skyrl_gym.tools.python:PythonCodeExecutorToolGroup": "the policy's Python tool calls (`python -c`)",
+    "skyrl_gym.tools.sql:SQLCodeExecutorToolGroup": "the policy's SQL on the data's SQLite files",
+}
+_WARNED: set[str] = set()  # env classes allowed to run code that this process has warned about
 
 
 class SkyRLGym(EpisodicEnvironment):
@@ -47,14 +66,17 @@ class SkyRLGym(EpisodicEnvironment):
     reward_type = "continuous"
 
     def __init__(self, data: str, env_class: str | None = None, eval_data: str | None = None,
-                 env_config: Mapping | None = None, max_turns: int = 5, reward: str = "last"):
+                 env_config: Mapping | None = None, max_turns: int = 5, reward: str = "last",
+                 allow_unsandboxed_code: bool = False):
         if not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"max_turns: must be an integer >= 1, got {max_turns!r}")
         if reward not in ("last", "sum"):
             raise ValueError(f"reward: must be 'last' or 'sum', got {reward!r}")
         if env_config is not None and not isinstance(env_config, Mapping):
             raise ValueError(f"env_config: must be a mapping, got {env_config!r}")
-        self.max_turns, self.reward = max_turns, reward
+        if not isinstance(allow_unsandboxed_code, bool):
+            raise ValueError(f"allow_unsandboxed_code: must be true or false, got {allow_unsandboxed_code!r}")
+        self.max_turns, self.reward, self.allow_unsandboxed_code = max_turns, reward, allow_unsandboxed_code
         self.env_config = OmegaConf.create(dict(env_config or {}))
         self.env_class = None if env_class is None else _registered(env_class, "env_class")
         rows = self._rows(data, "data")
@@ -63,6 +85,8 @@ class SkyRLGym(EpisodicEnvironment):
                           for split in ("train", "eval")}
         else:
             self.pools = {"train": rows, "eval": self._rows(eval_data, "eval_data")}
+        for env_class in sorted({row["env_class"] for pool in self.pools.values() for row in pool}):
+            self._check_code(env_class, skyrl_gym.registry[env_class].entry_point)
 
     def _rows(self, source: str, option: str) -> list[dict]:
         """The rows of `source`, each checked and with its env class resolved."""
@@ -120,8 +144,27 @@ class SkyRLGym(EpisodicEnvironment):
             episode.close()
 
     def _make(self, env_class: str, extras: Mapping):
-        return skyrl_gym.make(env_class, env_config=self.env_config,
-                              extras={**copy.deepcopy(dict(extras)), "max_turns": self.max_turns})
+        env = skyrl_gym.make(env_class, env_config=self.env_config,
+                             extras={**copy.deepcopy(dict(extras)), "max_turns": self.max_turns})
+        for group in getattr(env, "tool_groups", None) or ():  # an env of the user's with skyrl-gym's code tools
+            self._check_code(env_class, type(group))
+        return env
+
+    def _check_code(self, env_class: str, cls) -> None:
+        """Refuse (or, allowed, warn once about) env `env_class` when `cls`, its env class or one of its tool
+        groups' (a `module:Class` string is imported), executes the policy's output (RUNS_CODE)."""
+        cls = load_env_creator(cls) if isinstance(cls, str) else cls
+        runs = next((RUNS_CODE[name] for base in getattr(cls, "__mro__", ())
+                     if (name := f"{base.__module__}:{base.__qualname__}") in RUNS_CODE), None)
+        if runs is None:
+            return
+        if not self.allow_unsandboxed_code:
+            raise ValueError(f"allow_unsandboxed_code: skyrl-gym env {env_class!r} runs {runs} outside zrl's "
+                             "sandbox; set allow_unsandboxed_code: true to run it anyway")
+        if env_class not in _WARNED:
+            _WARNED.add(env_class)
+            log.warning("skyrl-gym env %r runs %s on this machine, outside zrl's sandbox (allow_unsandboxed_code)",
+                        env_class, runs)
 
 
 class SkyRLEpisode(Episode):

@@ -1,16 +1,21 @@
 """The skyrl-gym adapter (environments/skyrl_gym_env.py): its options, its draws, episodes of skyrl-gym's own
-`gsm8k_multi_turn` env by hand and in the episode loop, a `module:Class` env, rewards outside [0, 1]."""
+`gsm8k_multi_turn` env by hand and in the episode loop, a `module:Class` env, rewards outside [0, 1], and
+the refusal of envs that run the policy's code outside zrl's sandbox unless `allow_unsandboxed_code`."""
 
 import dataclasses
 import importlib.util
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import skyrl_gym
 from skyrl_gym.envs.base_text_env import BaseTextEnv
 from skyrl_gym.envs.gsm8k.multi_turn_env import GSM8kMultiTurnEnv
+from skyrl_gym.envs.lcb.env import LCBEnv
+from skyrl_gym.tools import PythonCodeExecutorToolGroup
 
+from environments import skyrl_gym_env
 from environments.skyrl_gym_env import SkyRLGym, arithmetic_rows
 from zrl.env.episode import Episode, Turn
 from zrl.types import Message
@@ -221,3 +226,48 @@ def test_the_episode_loop_runs_skyrl_gyms_env(closes, tmp_path):
     out = _loop.run(SpeakingEngine(["a", "b"]), Counted(env.episode(env.sample(1, seed=0)[0])))
     assert (out.end_reason, out.reward, out.turns) == ("env_error", 0.0, 2)
     assert out.error == f"ValueError: skyrl-gym env {SCRIPTED!r} returned reward 2.0, not a number in [0, 1]"
+
+
+class LeetCode(LCBEnv):
+    """A user's env built on one that runs the policy's code."""
+
+
+class WithPythonTool(BaseTextEnv):
+    """A user's env with skyrl-gym's Python tool (it runs `python -c` on the policy's code)."""
+
+    def __init__(self, env_config=None, extras={}):
+        super().__init__()
+        self.init_tool_groups([PythonCodeExecutorToolGroup()])
+
+
+def untyped_rows(tmp_path) -> str:
+    """One row without an env class (the option names it)."""
+    return write_rows(tmp_path / "rows.jsonl", [{"prompt": [{"role": "user", "content": "q"}],
+                                                 "reward_spec": {"ground_truth": "[]"}}])
+
+
+@pytest.mark.parametrize("env_class, runs", [
+    ("lcb", "the policy's Python program"), ("searchcode", "the policy's Python tool calls"),
+    ("text2sql", "the policy's SQL"), ("skyrl_gym.envs.rlm.env:BaseRLMEnv", "the policy's REPL code"),
+    (f"{__name__}:LeetCode", "the policy's Python program")])
+def test_an_env_that_runs_the_policys_code_outside_the_sandbox_is_refused_unless_allowed(
+        env_class, runs, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(skyrl_gym_env, "_WARNED", set())
+    with pytest.raises(ValueError, match=f"^allow_unsandboxed_code: skyrl-gym env '{env_class}' runs {runs}"):
+        SkyRLGym(data=untyped_rows(tmp_path), env_class=env_class)
+    with caplog.at_level(logging.WARNING, logger="zrl"):
+        for _ in range(2):
+            SkyRLGym(data=untyped_rows(tmp_path), env_class=env_class, allow_unsandboxed_code=True)
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "zrl"]  # once per process
+    assert warning.startswith(f"skyrl-gym env '{env_class}' runs {runs}") and "outside zrl's sandbox" in warning
+
+
+def test_an_env_with_skyrl_gyms_python_tool_is_refused_when_it_is_made(tmp_path, monkeypatch):
+    monkeypatch.setattr(skyrl_gym_env, "_WARNED", set())
+    env = SkyRLGym(data=untyped_rows(tmp_path), env_class=f"{__name__}:WithPythonTool")
+    with pytest.raises(ValueError, match="^allow_unsandboxed_code: .* runs the policy's Python tool calls"):
+        env.sample(1, seed=0)
+    allowed = SkyRLGym(data=untyped_rows(tmp_path), env_class=f"{__name__}:WithPythonTool", allow_unsandboxed_code=True)
+    assert len(allowed.sample(1, seed=0)) == 1
+    with pytest.raises(ValueError, match="^allow_unsandboxed_code: must be true or false, got 'yes'"):
+        SkyRLGym(data=ROWS, allow_unsandboxed_code="yes")
