@@ -5,9 +5,10 @@ always compared on the same problems with the same sampling settings; only the w
 engine is the same vLLM rollout engine the pipeline uses (in this process), so what is measured is
 what the pipeline would generate.
 
-`save_rollouts` writes every prompt with its sampled responses and their rewards as JSONL, the
-rollouts file of the `aggregation` environment (environments/aggregation.py: self-aggregation
-prompts from a checkpoint's own samples; draw those from `split="train"`).
+`save_rollouts` writes every prompt with its sampled responses, their rewards and their errors (what a
+verifier or an episode's environment raised, else null) as JSONL, the rollouts file of the
+`aggregation` environment (environments/aggregation.py: self-aggregation prompts from a checkpoint's
+own samples; draw those from `split="train"`).
 """
 
 import dataclasses
@@ -21,6 +22,7 @@ from pathlib import Path
 from zrl.config.schema import EnvironmentSpec, RewardModelSpec
 from zrl.env import safe_verify, safe_verify_group, verifies_groups
 from zrl.env.episode import EpisodicEnvironment
+from zrl.pipeline.env_errors import EnvErrorLog
 from zrl.pipeline.episodes import episode_verification, run_episodes
 from zrl.prompts import build_environment
 from zrl.types import Split
@@ -112,10 +114,14 @@ def evaluate_requests(checkpoint: str | Path, requests: list[EvalRequest], seed:
             for env, r, batch, out, n_skipped in zip(envs, requests, prompts, outputs, skipped)]
 
 
-def score(checkpoint: str, env, request: EvalRequest, prompts, outputs, skipped: int) -> EvalResult:
+def score(checkpoint: str, env, request: EvalRequest, prompts, outputs, skipped: int,
+          errors: EnvErrorLog | None = None) -> EvalResult:
     """The EvalResult of `outputs` (per prompt, the engine's samples, or the episodes of a multi-turn
     environment, which scored them as they ran) on `env`'s verifier; `checkpoint` names what was evaluated
-    (a path, or a policy version during a stage)."""
+    (a path, or a policy version during a stage). Each distinct error is shown once on `errors` (None: a
+    log of this call's own)."""
+    errors = EnvErrorLog() if errors is None else errors
+    entry = request.environment.key or request.environment.name
     verifications, lengths, rows = [], [], []
     for prompt, samples in zip(prompts, outputs):
         if isinstance(env, EpisodicEnvironment):
@@ -128,7 +134,9 @@ def score(checkpoint: str, env, request: EvalRequest, prompts, outputs, skipped:
                 safe_verify(env, prompt, text) for text in texts]
             lengths += [len(sample.token_ids) for sample in samples]
         verifications += group
-        rows.append({"prompt": dataclasses.asdict(prompt), "responses": texts, "rewards": [v.reward for v in group]})
+        errors.record(entry, group)
+        rows.append({"prompt": dataclasses.asdict(prompt), "responses": texts,
+                     "errors": [v.error for v in group], "rewards": [v.reward for v in group]})
     if request.save_rollouts is not None:
         path = Path(request.save_rollouts)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,15 +2,17 @@
 
 A verifier that raises (or times out, or returns something that is not a reward) and an episode whose
 environment raises cost that rollout its reward, never the run: the error travels with the rollout as
-`Verification.error` and is counted (`env/verifier_errors`, `env/<entry>/verifier_errors`; an
-episode's also as `verify/<entry>/env_error`). `EnvErrorLog` is what a
-person watching the run sees of it: the first occurrence of each distinct (entry, message) pair as a
+`Verification.error` (into `zrl eval --save-rollouts` files too) and is counted (`env/verifier_errors`,
+`env/<entry>/verifier_errors`; an episode's also as `verify/<entry>/env_error`). `EnvErrorLog` is what
+a person watching the run sees of it: the first occurrence of each distinct (entry, message) pair as a
 warning line, the repeats only counted, so a verifier that fails on every rollout writes one line, not
 thousands. An entry whose messages keep changing (a message quoting the response) shows its first
 `MAX_SHOWN_PER_ENTRY` and then says that the rest are counted only.
 
 An RL stage's log is its admission's (zrl/pipeline/stage_admission.py): on the driver, it sees every
-verified group, single-turn and multi-turn, so a message is shown once for the whole stage.
+verified group, single-turn and multi-turn, so a message is shown once for the whole stage. An
+evaluation's is its scoring's (zrl/evaluate.py `score`): `zrl eval` shows each message once per entry, a
+rollout worker's held-out evaluations once in the worker's life (a Ray actor: its lines carry Ray's prefix).
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ from zrl.config.schema import RLStage
 from zrl.env.chat import ChatContinuation
 from zrl.env.episode import EpisodicEnvironment
 from zrl.models import family_of_checkpoint
+from zrl.pipeline.env_errors import EnvErrorLog
 from zrl.pipeline.episodes import EpisodeOutput, EpisodeRunner, episode_verification
 from zrl.pipeline.weight_sync import HostPeakMemory, SyncAddress, SyncGroup, drain
 from zrl.prompts import Assignment, PromptSource, build_entries
@@ -244,6 +245,7 @@ class RolloutWorker:
         if self._eval_envs is None:  # instances of its own: the draw thread samples the training ones
             envs = [e.env for e in build_entries(self.stage.environments)]
             self._eval_envs = dict(zip(self.stage.entry_keys(), envs))  # the requests' keys (the recipe's)
+            self._eval_errors = EnvErrorLog()  # their errors: each distinct one shown once in the worker's life
         jobs = []                                # per request: (prompts kept, prompts skipped)
         for i, (key, r) in enumerate(requests):
             env = self._eval_envs[key]
@@ -264,7 +266,8 @@ class RolloutWorker:
                 self._take(sample)
             self._take_episodes(timeout=0.0 if self.engine.has_unfinished() else None)
         outputs = [[self._evaluated.pop(("eval", i, j)) for j in range(len(prompts))] for i, (prompts, _) in enumerate(jobs)]
-        results = tuple((key, score(f"policy version {version}", self._eval_envs[key], r, prompts, out, skipped))
+        results = tuple((key, score(f"policy version {version}", self._eval_envs[key], r, prompts, out, skipped,
+                                    self._eval_errors))
                         for (key, r), (prompts, skipped), out in zip(requests, jobs, outputs))
         return HeldOutReport(version, results, time.perf_counter() - start)
 

@@ -1,8 +1,10 @@
 """An environment's errors reach the console once per distinct message (zrl/pipeline/env_errors.py) and
 travel with the rollout: an episode whose environment raises, through the verifier, to the stage loop's
 admission (in-process, with stand-ins for the Ray parts), which shows the message once however many
-groups carry it and hands every verification, error included, to the buffer."""
+groups carry it and hands every verification, error included, to the buffer; and through an evaluation's
+scoring (`zrl eval`, held-out evaluation) into its `save_rollouts` file."""
 
+import json
 import logging
 
 from test_episodes import StandInEngine, render
@@ -10,6 +12,7 @@ from test_episodes import StandInEngine, render
 from serving.engine import SamplingConfig
 from zrl.config.schema import EnvironmentSpec
 from zrl.env.episode import Episode, EpisodicEnvironment, Turn
+from zrl.evaluate import EvalRequest, score
 from zrl.pipeline.env_errors import MAX_SHOWN_PER_ENTRY, EnvErrorLog
 from zrl.pipeline.episodes import EpisodeRunner, episode_verification
 from zrl.pipeline.faults import ProgressWatchdog
@@ -78,8 +81,8 @@ class Broken(EpisodicEnvironment):
         return 0.0
 
 
-def episode_group(key: str, samples: int) -> GroupText:
-    """A multi-turn group as a rollout worker publishes it: the episodes' texts and their own verifications."""
+def episodes(samples: int) -> list:
+    """`samples` episodes of Broken run to their end on a stand-in engine (EpisodeOutputs)."""
     engine = StandInEngine([2] * samples)
     runner = EpisodeRunner(engine, render)
     for i in range(samples):
@@ -92,8 +95,17 @@ def episode_group(key: str, samples: int) -> GroupText:
         outputs += runner.poll(timeout=None)
     runner.close()
     assert [(o.end_reason, o.reward, o.error) for o in outputs] == [("env_error", 0.0, TURN_ERROR)] * samples
-    prompt = Prompt(env=key, prompt_id="p", messages=(Message("user", "q"),), answer="", data_source=key)
-    return GroupText(prompt, tuple(o.rollout.text for o in outputs), tuple(map(episode_verification, outputs)))
+    return outputs
+
+
+def prompt(key: str, index: int = 0) -> Prompt:
+    return Prompt(env=key, prompt_id=f"p{index}", messages=(Message("user", "q"),), answer="", data_source=key)
+
+
+def episode_group(key: str, samples: int) -> GroupText:
+    """A multi-turn group as a rollout worker publishes it: the episodes' texts and their own verifications."""
+    outputs = episodes(samples)
+    return GroupText(prompt(key), tuple(o.rollout.text for o in outputs), tuple(map(episode_verification, outputs)))
 
 
 class Calls:
@@ -126,3 +138,17 @@ def test_an_episodes_error_reaches_the_console_once_and_the_buffer_with_every_ro
     assert [ref for ref, _ in admitted] == ["arrays0", "arrays1"]
     assert all(v.error == TURN_ERROR and v.metadata["reason"] == "env_error" for _, vs in admitted for v in vs)
     assert admission.watchdog.verifier_errors == 6
+
+
+def test_an_evaluation_writes_each_responses_error_and_shows_it_once(tmp_path, caplog):
+    rollouts = tmp_path / "rollouts.jsonl"
+    request = EvalRequest(EnvironmentSpec(name=f"{__name__}:Broken", key="tools"), num_prompts=2, samples_per_prompt=2,
+                          save_rollouts=str(rollouts))
+    with caplog.at_level(logging.WARNING, logger="zrl"):
+        result = score("a checkpoint", Broken(), request, [prompt("tools", 0), prompt("tools", 1)],
+                       [episodes(2), episodes(2)], skipped=0)
+    assert result.verifier_errors == 4 and result.accuracy == 0.0
+    rows = [json.loads(line) for line in rollouts.read_text().splitlines()]
+    assert [(row["errors"], row["rewards"]) for row in rows] == [([TURN_ERROR] * 2, [0.0, 0.0])] * 2
+    assert warnings(caplog) == [f"environment 'tools': {TURN_ERROR} (the rollout's reward is 0; each distinct "
+                                "error is shown once)"]
