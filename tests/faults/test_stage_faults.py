@@ -131,10 +131,17 @@ def stop_message(tmp_path, tmp_path_factory, env: str, steps: int, **asynchrony)
     return str(outcome), seconds
 
 
-def test_a_verifier_that_always_raises_stops_the_stage_with_the_reason(ray_session, tmp_path, tmp_path_factory):
-    message, seconds = stop_message(tmp_path, tmp_path_factory, "fault_envs:AlwaysRaises", 4, max_discarded_batches=3)
+def test_a_verifier_that_always_raises_stops_the_stage_with_the_reason(ray_session, tmp_path, tmp_path_factory,
+                                                                      caplog):
+    with caplog.at_level(logging.WARNING, logger="zrl"):
+        message, seconds = stop_message(tmp_path, tmp_path_factory, "fault_envs:AlwaysRaises", 4,
+                                        max_discarded_batches=3)
     assert int(re.search(r"the last (\d+) groups were all discarded", message)[1]) >= 12  # 3 batches of 4
     assert "ConnectionError: reward service unreachable" in message
+    # every rollout's verifier raised the same error: the driver's console shows it once
+    shown = [r.getMessage() for r in caplog.records if r.getMessage().startswith("environment ")]
+    assert shown == ["environment 'fault_envs:AlwaysRaises': ConnectionError: reward service unreachable (the "
+                     "rollout's reward is 0; each distinct error is shown once)"]
     assert rows_of(tmp_path) == []  # no step trained
     log.info("fault: verifier always raises | outcome: stopped after %.0f s: %s", seconds, message)
 
