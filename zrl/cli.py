@@ -36,6 +36,7 @@ from zrl.config import Recipe, RecipeError, load_recipe
 from zrl.config.load import yaml_value
 from zrl.env.registry import UnknownEnvironmentError
 from zrl.hub import ModelPathError
+from zrl.models import registered_types
 from zrl.runtime_env import apply_defaults
 
 log = logging.getLogger("zrl")
@@ -434,14 +435,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("envs", "list registered environments")
     p.set_defaults(func=cmd_envs)
 
+    families = ", ".join(registered_types())  # config.json model_types zrl can load (zrl/models)
+
     def model_args(p):
         p.add_argument("--revision", help="branch, tag or commit of a Hub repo id CHECKPOINT (default: main)")
         p.add_argument("--env", required=True, help="environment name or module:Class")
         p.add_argument("--options", help="environment options as YAML, e.g. '{max_operand: 20}'")
 
     p = command("eval", "accuracy of a checkpoint on an environment's held-out split")
-    p.add_argument("checkpoint", help="Hugging Face zaya checkpoint: a directory (e.g. <output_dir>/stages/<name>/hf) "
-                                      "or a Hub repo id org/name (cached, or downloaded on first use)")
+    p.add_argument("checkpoint", help=f"Hugging Face checkpoint of a registered model family ({families}): a "
+                                      "directory (e.g. <output_dir>/stages/<name>/hf) or a Hub repo id org/name "
+                                      "(cached, or downloaded on first use)")
     model_args(p)
     p.add_argument("--num-prompts", type=int, default=200, help="problems evaluated")
     p.add_argument("--samples", type=int, default=1, help="samples per prompt")
@@ -458,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("ttc", "Markovian RSA test-time compute on an environment's held-out split: per-round "
                        "accuracy, candidates to a JSONL")
-    p.add_argument("checkpoint", help="Hugging Face zaya checkpoint: a directory or a Hub repo id org/name")
+    p.add_argument("checkpoint", help=f"Hugging Face checkpoint of a registered model family ({families}): a "
+                                      "directory or a Hub repo id org/name")
     model_args(p)
     p.add_argument("--num-prompts", type=int, default=50, help="problems evaluated")
     p.add_argument("--population", "-N", type=int, default=16, help="N, candidates per problem and round")

@@ -53,7 +53,9 @@ class Episode(ABC):
 
 
 class EpisodicEnvironment(Environment):
-    max_turns: ClassVar[int] = 4  # policy messages per episode at most (a recipe option may override it)
+    # Policy messages per episode at most. A subclass may take it as an option (skyrl_gym's `max_turns`);
+    # otherwise it is fixed, and a recipe option of that name is refused like any unknown option.
+    max_turns: ClassVar[int] = 4
 
     @abstractmethod
     def episode(self, prompt: Prompt) -> Episode:
