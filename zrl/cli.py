@@ -162,6 +162,15 @@ def cmd_envs(args) -> int:
 
 
 def cmd_init_tiny_model(args) -> int:
+    from zrl.assets import is_checkpoint_dir
+
+    target = Path(args.dir)
+    if target.exists() and not target.is_dir():
+        return _error([f"{args.dir}: exists and is not a directory"])
+    if is_checkpoint_dir(target):
+        return _error([f"{args.dir}: holds a checkpoint already (config.json, *.safetensors); remove it to rebuild"])
+    if target.is_dir() and any(target.iterdir()):
+        return _error([f"{args.dir}: directory is not empty; the tiny model is written only into a new or empty one"])
     path = TINY_BUILDERS[args.arch](args.dir, seed=args.seed)
     sys.stdout.write(f"tiny {args.arch} checkpoint and tokenizer written to {path}\n")
     return 0
@@ -481,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ttc)
 
     p = command("init-tiny-model", "build the tiny CPU tokenizer + checkpoint (zaya or qwen3_moe)", json_output=False)
-    p.add_argument("dir", help="directory to write (a scratch asset path such as runs/assets/tiny-zaya)")
+    p.add_argument("dir", help="new or empty directory to write (a scratch asset path such as runs/assets/tiny-zaya)")
     p.add_argument("--arch", default="zaya", choices=sorted(TINY_BUILDERS),
                    help="model_type of the tiny checkpoint")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")

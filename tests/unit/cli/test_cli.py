@@ -218,6 +218,20 @@ def test_init_tiny_model_builds_the_chosen_architecture(tmp_path):
     family = family_of_checkpoint(tmp_path / "tiny-qwen3moe")
     assert family.model_type == "qwen3_moe"
     assert family.read_config(tmp_path / "tiny-qwen3moe").num_experts == TINY_QWEN3_MOE_CONFIG["num_experts"]
+    again = zrl("init-tiny-model", str(tmp_path / "tiny-qwen3moe"))  # over the model: refused, nothing written
+    assert_clean_error(again, f"zrl: error: {tmp_path / 'tiny-qwen3moe'}: holds a checkpoint already")
+
+
+def test_init_tiny_model_refuses_a_file_and_a_directory_with_files(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    assert main(["init-tiny-model", str(tmp_path / "a-file")]) == 2
+    assert capsys.readouterr().err == f"zrl: error: {tmp_path / 'a-file'}: exists and is not a directory\n"
+    assert main(["init-tiny-model", str(tmp_path / "full")]) == 2
+    assert capsys.readouterr().err == (f"zrl: error: {tmp_path / 'full'}: directory is not empty; the tiny model is "
+                                       "written only into a new or empty one\n")
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["notes.txt"]
 
 
 def test_init_tiny_model_defaults_to_zaya_and_lists_the_architectures_on_a_miss():
