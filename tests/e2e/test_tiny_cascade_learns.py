@@ -54,7 +54,8 @@ def test_dashboards_hold_the_canary_series(cascade):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir, log = cascade
-    assert "step 190/190" in log  # 160 SFT + 30 RL steps, one progress line each
+    assert "step 190/190 (stage 30/30)" in log  # 160 SFT + 30 RL steps, one progress line each
+    assert "step 160/160 (stage 160/160) | sft loss" in log
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])

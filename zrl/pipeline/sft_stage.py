@@ -20,6 +20,7 @@ from zrl.config.schema import SFTStage
 from zrl.env.base import EnvironmentFault
 from zrl.env.episode import transcript_problem
 from zrl.pipeline.faults import StageStopped, raise_if_stop_requested, trainer_results
+from zrl.pipeline.stage_report import step_count
 from zrl.prompts import PromptSource
 
 log = logging.getLogger("zrl")
@@ -110,8 +111,8 @@ def run_sft_stage(stage: SFTStage, ranks: list, tokenizer, seed: int, first_step
         step += 1
         metrics["sft/skipped_long_examples"] = float(skipped)
         log_metrics(step, metrics)
-        log.info("step %d/%d | sft loss %.4f | %d examples | %.0f tok/s", step, end, metrics.get("loss/sft", float("nan")),
-                 len(examples), metrics.get("perf/tokens_per_s", 0.0))
+        log.info("%s | sft loss %.4f | %d examples | %.0f tok/s", step_count(step, end, stage.steps),
+                 metrics.get("loss/sft", float("nan")), len(examples), metrics.get("perf/tokens_per_s", 0.0))
         save = (lambda at: checkpoint(at, {"stage": stage.name, "prompt_source": source.state_dict()})) if checkpoint else None
         if save and (step % stage.checkpoint_every_steps == 0 or step == end):
             save(step)

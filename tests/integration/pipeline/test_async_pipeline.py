@@ -45,7 +45,7 @@ def eval_rows(async_run):
 def test_stage_completes_every_step(async_run):
     run_dir, rows, log = async_run
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert f"step {STEPS}/{STEPS}" in log
+    assert f"step {STEPS}/{STEPS} (stage {STEPS}/{STEPS})" in log
     assert (run_dir / "stages" / "rl" / "hf" / "config.json").is_file()
     assert json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"] == STEPS
 

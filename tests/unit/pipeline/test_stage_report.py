@@ -4,7 +4,7 @@ from zrl.config import parse_recipe
 from zrl.pipeline.controller import Cascade
 from zrl.pipeline.rollout_worker import worker_seeds
 from zrl.pipeline.schedule import StageSchedule
-from zrl.pipeline.stage_report import StageCounters, progress_line, step_metrics
+from zrl.pipeline.stage_report import StageCounters, progress_line, step_count, step_metrics
 
 
 def values(**extra):
@@ -23,14 +23,20 @@ def test_the_row_holds_the_trained_batch_the_buffer_and_each_pools_throughput():
     assert row["throughput/rollout_tokens_per_s"] == 150 and row["throughput/trainer_tokens_per_s"] == 250
 
 
+def test_the_line_counts_the_run_and_the_stage_step():
+    assert progress_line(4, 6, 3, values()).startswith("step 4/6 (stage 1/3) | reward")
+    assert step_count(270, 270, 30) == "step 270/270 (stage 30/30)"
+    assert step_count(241, 270, 30) == "step 241/270 (stage 1/30)"
+
+
 def test_a_step_without_new_groups_shows_no_reward_instead_of_nan():
-    assert "| reward - |" in progress_line(4, 6, values())
-    assert "| reward 0.250 |" in progress_line(4, 6, values(**{"reward/mean": 0.25}))
+    assert "| reward - |" in progress_line(4, 6, 3, values())
+    assert "| reward 0.250 |" in progress_line(4, 6, 3, values(**{"reward/mean": 0.25}))
 
 
 def test_the_line_names_each_adaptive_entrys_level_and_crossing():
-    assert "level" not in progress_line(4, 6, values())
-    line = progress_line(4, 6, values(**{"curriculum/strings/difficulty": 3.0, "curriculum/strings/mu_mean": 2.64,
+    assert "level" not in progress_line(4, 6, 3, values())
+    line = progress_line(4, 6, 3, values(**{"curriculum/strings/difficulty": 3.0, "curriculum/strings/mu_mean": 2.64,
                                          "curriculum/calibrating": 0.0}))
     assert line.endswith(" | level strings 3 (crossing 2.6)")
 
@@ -65,7 +71,7 @@ def test_an_evaluation_goes_with_the_next_row_and_what_no_row_carried_is_logged_
     from zrl.pipeline.stage_report import StageReporter
 
     rows = []
-    reporter = StageReporter("s", StageCounters(), lambda step, values: rows.append((step, values)) or True)
+    reporter = StageReporter("s", 3, StageCounters(), lambda step, values: rows.append((step, values)) or True)
     schedule = StageSchedule(num_workers=2, trainer_step=3, end_step=6, prompts_per_batch=2,
                              sync_every_steps=2, synchronous=False)
     report = SimpleNamespace(policy_version=2, seconds=1.0,
