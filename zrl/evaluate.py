@@ -5,6 +5,15 @@ always compared on the same problems with the same sampling settings; only the w
 engine is the same vLLM rollout engine the pipeline uses (in this process), so what is measured is
 what the pipeline would generate.
 
+Per prompt with k samples (k = `samples_per_prompt`), as reports quote them: avg@k is the mean reward
+of its samples, pass@k the chance that k samples hold a correct one, pass@1 that one does, both by the
+unbiased estimator of the Codex paper (`pass_at_k`; with k samples pass@k is 1 when any is correct, and
+pass@1 the fraction correct); each is averaged over the prompts. A response is correct when its reward
+is at least CORRECT_REWARD (a binary verifier's 1; a partial reward counts in avg@k only).
+
+Progress goes to the log (stderr under the CLI): the engine's start, and each entry's generation and
+result, so a long evaluation is never silent.
+
 `save_rollouts` writes every prompt with its sampled responses, their rewards and their errors (what a
 verifier or an episode's environment raised, else null) as JSONL, the rollouts file of the
 `aggregation` environment (environments/aggregation.py: self-aggregation prompts from a checkpoint's
@@ -15,6 +24,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +39,8 @@ from zrl.types import Split
 
 log = logging.getLogger("zrl")
 
+CORRECT_REWARD = 1.0  # a response counts as correct for pass@k at this reward or above
+
 
 @dataclass(frozen=True)
 class EvalResult:
@@ -41,6 +53,20 @@ class EvalResult:
     reasons: dict[str, float]         # fraction of responses per verification `reason` (metadata)
     metadata_means: dict[str, float]  # mean of each numeric metadata value over the responses that carry it
     skipped_long_prompts: int = 0     # prompts longer than the request's max_prompt_tokens (not evaluated)
+    # k samples per prompt; avg@k, pass@1 and pass@k averaged over the prompts (module docstring; nan: no
+    # prompt evaluated, or a result recorded before they were)
+    samples_per_prompt: int = 1
+    avg_at_k: float = math.nan
+    pass_at_1: float = math.nan
+    pass_at_k: float = math.nan
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from `n` samples of which `c` are correct (Chen et al. 2021):
+    1 - C(n-c, k) / C(n, k), the chance that k of the n samples, drawn without replacement, hold a correct one."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k: needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 @dataclass(frozen=True)
@@ -70,6 +96,8 @@ def evaluate(checkpoint: str | Path, environment: EnvironmentSpec, num_prompts: 
 def evaluate_requests(checkpoint: str | Path, requests: list[EvalRequest], seed: int = 0, dtype: str = "float32",
                       reward_model: RewardModelSpec | None = None) -> list[EvalResult]:
     """Every request through one engine (started once for all of them), in order."""
+    log.info("eval: %s on %s; loading vLLM and the tokenizer",
+             ", ".join(f"{r.environment.name} ({r.split} split)" for r in requests), checkpoint)
     from transformers import AutoTokenizer
 
     from serving.engine import RolloutEngine, SamplingConfig
@@ -98,20 +126,33 @@ def evaluate_requests(checkpoint: str | Path, requests: list[EvalRequest], seed:
         ids.append([encoded[j] for j in kept])
         skipped.append(len(batch) - len(kept))
     max_model_len = max(max(map(len, batch), default=0) + r.max_response_tokens for batch, r in zip(ids, requests))
+    log.info("eval: starting the engine on %s (max_model_len %d)", checkpoint, max_model_len)
+    started = time.perf_counter()
     engine = RolloutEngine(checkpoint, dtype=dtype, max_model_len=max_model_len, seed=seed)
+    log.info("eval: engine ready in %.0f s", time.perf_counter() - started)
     try:
         outputs = []
         for env, batch, ids_, r in zip(envs, prompts, ids, requests):
+            log.info("eval: %s: generating %d prompt(s) x %d sample(s)", r.environment.name, len(batch),
+                     r.samples_per_prompt)
+            started = time.perf_counter()
             sampling = SamplingConfig(max_tokens=r.max_response_tokens, temperature=r.temperature, seed=seed)
             if isinstance(env, EpisodicEnvironment):
                 outputs.append(run_episodes(engine, env, batch, ids_, r.samples_per_prompt, sampling,
                                             r.max_response_tokens))
             else:
                 outputs.append(engine.generate(ids_, r.samples_per_prompt, sampling) if ids_ else [])
+            log.info("eval: %s: generated in %.0f s", r.environment.name, time.perf_counter() - started)
     finally:
         engine.close()
-    return [score(str(checkpoint), env, r, batch, out, n_skipped)
-            for env, r, batch, out, n_skipped in zip(envs, requests, prompts, outputs, skipped)]
+    results = [score(str(checkpoint), env, r, batch, out, n_skipped)
+               for env, r, batch, out, n_skipped in zip(envs, requests, prompts, outputs, skipped)]
+    for result in results:
+        k = result.samples_per_prompt
+        log.info("eval: %s: %d prompt(s) scored (%d skipped as too long): avg@%d %.3f, pass@1 %.3f, pass@%d %.3f",
+                 result.environment, result.num_prompts, result.skipped_long_prompts, k, result.avg_at_k,
+                 result.pass_at_1, k, result.pass_at_k)
+    return results
 
 
 def score(checkpoint: str, env, request: EvalRequest, prompts, outputs, skipped: int,
@@ -122,7 +163,7 @@ def score(checkpoint: str, env, request: EvalRequest, prompts, outputs, skipped:
     log of this call's own)."""
     errors = EnvErrorLog() if errors is None else errors
     entry = request.environment.key or request.environment.name
-    verifications, lengths, rows = [], [], []
+    verifications, lengths, rows, per_prompt = [], [], [], []  # per prompt: (avg@k, pass@1, pass@k)
     for prompt, samples in zip(prompts, outputs):
         if isinstance(env, EpisodicEnvironment):
             texts = [episode.rollout.text for episode in samples]
@@ -135,8 +176,12 @@ def score(checkpoint: str, env, request: EvalRequest, prompts, outputs, skipped:
             lengths += [len(sample.token_ids) for sample in samples]
         verifications += group
         errors.record(entry, group)
+        rewards = [v.reward for v in group]
+        correct = sum(r >= CORRECT_REWARD for r in rewards)
+        per_prompt.append((sum(rewards) / len(rewards), pass_at_k(len(rewards), correct, 1),
+                           pass_at_k(len(rewards), correct, request.samples_per_prompt)))
         rows.append({"prompt": dataclasses.asdict(prompt), "responses": texts,
-                     "errors": [v.error for v in group], "rewards": [v.reward for v in group]})
+                     "errors": [v.error for v in group], "rewards": rewards})
     if request.save_rollouts is not None:
         path = Path(request.save_rollouts)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -148,10 +193,12 @@ def score(checkpoint: str, env, request: EvalRequest, prompts, outputs, skipped:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 numbers.setdefault(key, []).append(float(value))
     n = len(verifications)
+    avg, pass_1, pass_k = [sum(column) / len(column) for column in zip(*per_prompt)] or [math.nan] * 3
     return EvalResult(checkpoint=checkpoint, environment=request.environment.name, num_prompts=len(prompts),
                       accuracy=sum(v.reward for v in verifications) / n if n else math.nan,
                       verifier_errors=sum(v.error is not None for v in verifications),
                       mean_response_tokens=sum(lengths) / n if n else math.nan,
                       reasons={k: c / n for k, c in sorted(reasons.items())},
                       metadata_means={k: sum(vs) / len(vs) for k, vs in sorted(numbers.items())},
-                      skipped_long_prompts=skipped)
+                      skipped_long_prompts=skipped, samples_per_prompt=request.samples_per_prompt, avg_at_k=avg,
+                      pass_at_1=pass_1, pass_at_k=pass_k)

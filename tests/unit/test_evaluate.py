@@ -1,7 +1,7 @@
 """Held-out evaluation of several entries through one engine (`evaluate_requests`): prompts longer than
 a request's limit are skipped and counted, rollouts files are written, and an entry with nothing left
 to evaluate has no accuracy. The engine is a stand-in that answers every prompt with a demonstration
-(or nothing), so every number below is known."""
+(or nothing), so every number below is known. pass@k (the Codex paper's estimator) and avg@k by hand."""
 
 import json
 import math
@@ -13,7 +13,9 @@ import serving.engine
 from environments.strings import StringTask
 from zrl.assets import build_tiny_model
 from zrl.config.schema import EnvironmentSpec
-from zrl.evaluate import EvalRequest, evaluate_requests
+from zrl.env import Environment
+from zrl.evaluate import EvalRequest, evaluate_requests, pass_at_k, score
+from zrl.types import Message, Prompt
 
 
 class AnsweringEngine:
@@ -66,3 +68,50 @@ def test_entries_share_one_engine_long_prompts_are_skipped_and_rollouts_written(
     rows = [json.loads(line) for line in rollouts.read_text().splitlines()]
     assert [r["rewards"] for r in rows] == [[1.0, 1.0]] * 3 and rows[0]["prompt"]["data_source"] == "strings:copy"
     assert too_long.num_prompts == 0 and too_long.skipped_long_prompts == 2 and math.isnan(too_long.accuracy)
+
+
+def test_pass_at_k_is_the_unbiased_estimator_of_the_codex_paper():
+    assert (pass_at_k(1, 1, 1), pass_at_k(1, 0, 1)) == (1.0, 0.0)  # k = 1: the one sample's correctness
+    assert (pass_at_k(4, 4, 1), pass_at_k(4, 4, 4)) == (1.0, 1.0)  # all correct
+    assert (pass_at_k(4, 0, 1), pass_at_k(4, 0, 4)) == (0.0, 0.0)  # none correct
+    assert (pass_at_k(4, 1, 1), pass_at_k(4, 1, 4)) == (0.25, 1.0)  # pass@1 the fraction, pass@n whether any
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3, 2) / C(4, 2) = 1 - 3/6
+    for n, c, k in ((2, 1, 3), (2, 3, 1), (2, 1, 0)):
+        with pytest.raises(ValueError, match=f"pass@k: needs .* got n={n}, c={c}, k={k}"):
+            pass_at_k(n, c, k)
+
+
+class TextReward(Environment):
+    """A continuous environment whose reward is the response itself ("0.5" scores 0.5)."""
+
+    name, reward_type = "text_reward", "continuous"
+
+    def sample(self, n, seed, split="train", difficulty=None):
+        return [Prompt(env=self.name, prompt_id=str(i), messages=(Message("user", "?"),), answer="",
+                       data_source=self.name) for i in range(n)]
+
+    def verify(self, prompt, response):
+        return float(response)
+
+
+def outputs(*groups):
+    return [[serving.engine.SampleOutput(np.arange(2), np.arange(3), np.zeros(3, np.float32),
+                                         np.zeros((5, 1), np.uint8), "stop", (), text) for text in group]
+            for group in groups]
+
+
+def test_avg_at_k_counts_partial_rewards_and_pass_at_k_only_full_ones():
+    env = TextReward()
+    request = EvalRequest(EnvironmentSpec(name="text_reward"), num_prompts=3, samples_per_prompt=4)
+    result = score("c", env, request, env.sample(3, seed=0), outputs(("1", "0", "0.5", "0"),  # one correct
+                                                                     ("0.5", "0.5", "0.5", "0.5"),  # partial only
+                                                                     ("1", "1", "1", "1")), skipped=0)
+    assert result.samples_per_prompt == 4
+    assert result.avg_at_k == pytest.approx((0.375 + 0.5 + 1.0) / 3) == pytest.approx(result.accuracy)
+    assert result.pass_at_1 == pytest.approx((0.25 + 0.0 + 1.0) / 3)
+    assert result.pass_at_k == pytest.approx((1.0 + 0.0 + 1.0) / 3)
+    one = score("c", env, EvalRequest(request.environment, samples_per_prompt=1), env.sample(2, seed=0),
+                outputs(("1",), ("0.5",)), skipped=0)
+    assert (one.avg_at_k, one.pass_at_1, one.pass_at_k) == (0.75, 0.5, 0.5)  # k = 1: pass@1 = pass@k
+    none = score("c", env, request, [], [], skipped=2)
+    assert all(math.isnan(v) for v in (none.avg_at_k, none.pass_at_1, none.pass_at_k))

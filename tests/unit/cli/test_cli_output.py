@@ -18,7 +18,8 @@ from zrl.evaluate import EvalResult
 ROOT = Path(__file__).resolve().parents[3]
 ZRL = str(Path(sys.executable).parent / "zrl")
 RESULT = EvalResult(checkpoint="ckpt", environment="strings", num_prompts=2, accuracy=float("nan"), verifier_errors=0,
-                    mean_response_tokens=8.0, reasons={"wrong": 1.0}, metadata_means={})
+                    mean_response_tokens=8.0, reasons={"wrong": 1.0}, metadata_means={}, samples_per_prompt=4,
+                    avg_at_k=float("nan"), pass_at_1=0.25, pass_at_k=0.5)
 
 
 @pytest.mark.integration
@@ -27,11 +28,15 @@ def test_eval_json_stdout_is_one_document_and_the_engine_logs_go_to_stderr(tmp_p
 
     model = build_tiny_model(tmp_path / "tiny-zaya")
     result = subprocess.run([ZRL, "eval", str(model), "--env", "strings", "--options", "{tasks: copy}",
-                             "--num-prompts", "2", "--max-response-tokens", "8", "--json"],
+                             "--num-prompts", "2", "--samples", "2", "--max-response-tokens", "8", "--json"],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     evaluation = json.loads(result.stdout)  # the whole of stdout: vLLM's lines would make this fail
-    assert (evaluation["environment"], evaluation["num_prompts"]) == ("strings", 2)
+    assert (evaluation["environment"], evaluation["num_prompts"], evaluation["samples_per_prompt"]) == ("strings", 2, 2)
+    assert 0 <= evaluation["pass_at_1"] <= evaluation["pass_at_k"] <= 1
+    progress = [line for line in result.stderr.splitlines() if line.startswith("[zrl ") and "eval: " in line]
+    assert "starting the engine" in progress[1] and "generating 2 prompt(s) x 2 sample(s)" in progress[3], progress
+    assert "2 prompt(s) scored (0 skipped as too long): avg@2 " in progress[-1], progress
     assert "Resolved architecture" in result.stderr  # vLLM logged, to stderr
     assert not [line for line in result.stderr.splitlines() if line.startswith("[zrl ") and "Triton" in line]
 
@@ -47,10 +52,12 @@ def test_eval_prints_a_table_or_json_with_no_nan(checkpoint, capsys):
     assert main(["eval", checkpoint, "--env", "strings", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
         "checkpoint": "ckpt", "environment": "strings", "num_prompts": 2, "accuracy": None, "verifier_errors": 0,
-        "mean_response_tokens": 8.0, "reasons": {"wrong": 1.0}, "metadata_means": {}, "skipped_long_prompts": 0}
+        "mean_response_tokens": 8.0, "reasons": {"wrong": 1.0}, "metadata_means": {}, "skipped_long_prompts": 0,
+        "samples_per_prompt": 4, "avg_at_k": None, "pass_at_1": 0.25, "pass_at_k": 0.5}
     assert main(["eval", checkpoint, "--env", "strings"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert rows[0] == ["result", "value"] and ["accuracy", "-"] in rows and ["reasons.wrong", "1"] in rows
+    assert ["samples_per_prompt", "4"] in rows and ["pass_at_1", "0.25"] in rows and ["pass_at_k", "0.5"] in rows
 
 
 class FakeRSA:
