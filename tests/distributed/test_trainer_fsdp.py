@@ -77,13 +77,16 @@ def run(tmp_path_factory) -> dict:
         dataclasses.replace(g, rollouts=tuple(dataclasses.replace(r, routing=_all_expert(r.routing))
                                               for r in g.rollouts)) for g in replay.groups))
     single = synthetic_train_batch(**{**common, "num_groups": 1, "group_size": 2}, seed=7, empty_responses=1)
+    # pulled at trainer step 1, every token sampled by version 0
+    single_version0 = _sampled_by(synthetic_train_batch(**{**common, "num_groups": 1, "group_size": 2}, seed=7,
+                                                        empty_responses=1, trainer_step=1), version=0)
     sft = synthetic_sft_examples(vocab_size=cfg.vocab_size, num_examples=10, seed=5)
     # Multi-turn demonstrations: an environment's reply inside the response is context, not a target.
     sft = [SFTExample(e.prompt_ids, e.token_ids, np.arange(len(e.token_ids)) % 3 != 1) if i % 2 else e
            for i, e in enumerate(sft)]
     data = root / "data.pkl"
     data.write_bytes(pickle.dumps({"batches": batches, "replay_batch": replay, "sft_examples": sft,
-                                   "single_batch": single}))
+                                   "single_batch": single, "single_version0": single_version0}))
     out = root / "out"
     _launch(data, model_dir, out, 2)
     _launch(data, model_dir, out, 1)  # after the 2-rank run: it resumes from that run's checkpoint
@@ -93,6 +96,12 @@ def run(tmp_path_factory) -> dict:
         runs[world] = {"results": json.loads((d / "results.json").read_text()), "dir": d,
                        "weights": {p.stem: torch.load(p) for p in d.glob("*.pt")}}
     return {"runs": runs, "model_dir": model_dir, "ref": ref, "sft": sft, "batches": batches}
+
+
+def _sampled_by(batch, version: int):
+    return dataclasses.replace(batch, groups=tuple(
+        dataclasses.replace(g, rollouts=tuple(dataclasses.replace(r, version_segments=((0, version),))
+                                              for r in g.rollouts)) for g in batch.groups))
 
 
 def _all_expert(routing: np.ndarray) -> np.ndarray:
@@ -241,6 +250,27 @@ def test_rank_without_data_runs_the_dummy(run):
     assert _max_diff(w1["weights"]["H_grad"], w2["weights"]["H_grad"]) == 0.0
     assert _max_diff(w1["weights"]["H"], w2["weights"]["H"]) == 0.0
     assert _moved(w2["weights"]["H"], w2["weights"]["init"]) > 5e-3
+
+
+def test_onpolicy_scoring_changes_no_weight_and_agrees_across_world_sizes(run):
+    runs = run["runs"]
+    for world in (1, 2):
+        w = runs[world]["weights"]
+        # Swapping every rank's shards to the synced copy and back leaves training bit-identical.
+        assert _max_diff(w["I_step3"], w["A_step3"]) == 0.0
+        m = runs[world]["results"]["I_metrics"]
+        assert [x["mismatch/onpolicy_version_lag"] for x in m] == [0, 1, 1]
+        assert all(x["mismatch/onpolicy_num_tokens"] > 0 for x in m)
+        # the copy's tokens (version 1) come on top of the loss pass's (version 2): measured 124 -> 141/149
+        plain = runs[world]["results"]["A_metrics"][2]
+        assert plain["mismatch/onpolicy_num_tokens"] < m[2]["mismatch/onpolicy_num_tokens"]
+    # One rollout of version-0 tokens, scored under the copy of the initial weights: on 2 ranks rank 1 runs
+    # the dummy, and the all-gathered copy is the 1-rank one, so the statistics are equal (measured: bitwise).
+    j1, j2 = runs[1]["results"]["J_metrics"], runs[2]["results"]["J_metrics"]
+    assert j2["mismatch/onpolicy_num_tokens"] == j1["mismatch/onpolicy_num_tokens"] > 0
+    assert j2["mismatch/onpolicy_version_lag"] == j1["mismatch/onpolicy_version_lag"] == 1
+    for key in ("kl_k1", "kl_k3", "max_abs_prob_diff"):
+        assert j2[f"mismatch/onpolicy_{key}"] == pytest.approx(j1[f"mismatch/onpolicy_{key}"], rel=1e-6, abs=1e-12), key
 
 
 def test_sft_step_matches_reference_nll(run):

@@ -149,6 +149,24 @@ def main() -> None:
         torch.save(grads.steps[-1], out / "H_grad.pt")
     del w
 
+    # I: A's three steps, each after a weight sync (TrainerRank.sync_weights' call): steps 2 and 3 also
+    # score the tokens of the previous synced version under a host copy of its weights.
+    w = TrainerWorker(rdzv, model_dir, settings())
+    results["I_metrics"] = []
+    for batch in batches:
+        w.weights_synced()
+        results["I_metrics"].append(w.train_step(w.share_of(batch)))
+    record("I_step3", w)
+    del w
+
+    # J: after a sync at version 0 and one step, a single packable rollout of version-0 tokens: on 2
+    # ranks, rank 1 runs the scoring forward on the dummy microbatch (under its own swapped shards).
+    w = TrainerWorker(rdzv, model_dir, settings())
+    w.weights_synced()
+    w.train_step(w.share_of(batches[0]))
+    results["J_metrics"] = w.train_step(w.share_of(data["single_version0"]))
+    del w
+
     # G: one SFT step.
     w = TrainerWorker(rdzv, model_dir, settings())
     results["G_metrics"] = w.sft_step(data["sft_examples"])

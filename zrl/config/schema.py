@@ -80,6 +80,11 @@ class Resources(Strict):
     activation_offload: bool = Field(
         False, description="keep the activations autograd saves for backward in host memory until backward needs "
                            "them (accelerators only; nothing to offload to on CPU)")
+    trainer_onpolicy_mismatch_tokens: int = Field(
+        1024, ge=0, description="per trainer rank and RL step, at most this many batch tokens sampled by the "
+                                "previous synced policy version are scored again under that version's weights "
+                                "(mismatch/onpolicy_*, on every step whatever the sync cadence); costs a host copy "
+                                "of the rank's parameter shards and a small no-grad forward per step; 0: off")
     verifier_workers: int = Field(
         2, ge=1, description="verifier actors per RL stage: they score responses, and code environments run their "
                              "sandboxed executions in them, so this sizes the sandbox pool")

@@ -180,7 +180,8 @@ def trainer_settings(recipe: Recipe, stage):
                                           recipe.resources.activation_checkpointing_every_layers),
                                       activation_checkpointing_selective=recipe.resources.activation_checkpointing_selective,
                                       activation_offload=recipe.resources.activation_offload,
-                                      hsdp_replicas=recipe.resources.hsdp_replicas)
+                                      hsdp_replicas=recipe.resources.hsdp_replicas,
+                                      onpolicy_mismatch_tokens=recipe.resources.trainer_onpolicy_mismatch_tokens)
 
 
 class Cascade:

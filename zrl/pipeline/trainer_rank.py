@@ -8,7 +8,9 @@ Weight sync (zrl.pipeline.weight_sync): rank 0 opens a sync group with the rollo
 (`listen_for_sync` then `join_sync`, concurrently with the workers' joins); `sync_weights` is
 collective over the trainer ranks (every rank joins the per-parameter gathers) and rank 0 streams the
 weights into the group. `export_state` is the fallback when no group can be formed: rank 0 returns the
-whole state dict, which the controller hands to the rollout workers through the object store.
+whole state dict, which the controller hands to the rollout workers through the object store. Both tell
+the worker its weights were synced (`weights_synced`: the next RL step keeps a host copy of them to
+score their tokens later, zrl.trainer.onpolicy).
 """
 
 import os
@@ -97,6 +99,7 @@ class TrainerRank:
         from zrl.trainer.export import iter_full_tensors, weight_specs
 
         model, version = self.worker.model, self.worker.version
+        self.worker.weights_synced()  # on every rank, so their copies stay alike (the scoring is collective)
         start = time.perf_counter()
         with HostPeakMemory() as memory:
             tensors = iter_full_tensors(model, DTYPES[dtype])
@@ -120,6 +123,7 @@ class TrainerRank:
         from zrl.trainer.export import iter_full_tensors
 
         keep = self.worker.rank == 0
+        self.worker.weights_synced()
         state = {}
         for name, tensor in iter_full_tensors(self.worker.model, DTYPES[dtype]):
             if keep:

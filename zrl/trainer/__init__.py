@@ -9,6 +9,7 @@ Public API (see worker.py for the step, checkpoint and export semantics):
     .save_checkpoint(dir, data_state) / .load_checkpoint(dir) -> data_state
     .export_weights(dtype, bucket_bytes) -> Iterator[WeightBucket]   (version-stamped, HF key names)
     .export_hf(dir, dtype) / .start_stage(settings, keep_optimizer_state=) / .shutdown()
+    .weights_synced()   a weight sync sent the current weights (onpolicy.py scores their tokens later)
   SFTExample(prompt_ids, token_ids, loss_mask=None); WeightBucket(version, index, tensors, last)
   plan_microbatches / PackingPlan: the token-budget packing plan (pure; no torch import)
 Names are exported lazily so `zrl.trainer.packing` stays importable without torch.

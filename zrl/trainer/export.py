@@ -52,8 +52,9 @@ class WeightBucket:
         return sum(t.numel() * t.element_size() for _, t in self.tensors)
 
 
-def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    """(name, tensor, is_parameter) for every parameter (shared ones once) and persistent buffer."""
+def weight_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, is_parameter) for every parameter (shared ones once) and persistent buffer: what a
+    weight sync sends (and what the trainer's copy of a synced version holds, zrl.trainer.onpolicy)."""
     yield from ((name, p, True) for name, p in model.named_parameters())
     persistent = model.state_dict(keep_vars=True).keys()
     yield from ((name, b, False) for name, b in model.named_buffers() if name in persistent)
@@ -69,7 +70,7 @@ def weight_specs(model: nn.Module, dtype: torch.dtype | None = torch.bfloat16) -
     (the family's naming runs on a meta tensor of the full shape)."""
     family = family_of(model)
     specs = []
-    for name, tensor, is_param in _named_tensors(model):
+    for name, tensor, is_param in weight_tensors(model):
         out_dtype = _export_dtype(tensor, is_param, dtype)
         shell = torch.empty(tensor.shape, dtype=out_dtype, device="meta")
         specs += [(key, tuple(part.shape), out_dtype) for key, part in family.hf_tensors(name, shell)]
@@ -80,7 +81,7 @@ def weight_specs(model: nn.Module, dtype: torch.dtype | None = torch.bfloat16) -
 def _iter_gathered(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(state-dict name, full tensor in its export dtype) one at a time; collective (each sharded
     parameter is all-gathered when its turn comes)."""
-    for name, tensor, is_param in _named_tensors(model):
+    for name, tensor, is_param in weight_tensors(model):
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
         yield name, full.to(_export_dtype(tensor, is_param, dtype))
 

@@ -92,10 +92,13 @@ class StepStats:
     ranks reduce vectors of the same layout even when a rank ran only dummy microbatches.
 
     `mismatch/*` compares the engine's and the trainer's logprobs over every loss token;
-    `mismatch/onpolicy_*` over the tokens sampled by the very weights being trained (token version ==
-    trainer step), where any difference is numerical mismatch alone, not policy change. Such tokens
-    exist only on steps that train right after a weight sync: on the others `onpolicy_num_tokens` is 0
-    and the statistics are left out (not NaN), so dashboards and the stage plots show no point there.
+    `mismatch/onpolicy_*` over tokens scored by the trainer under the weights that sampled them, where
+    any difference is numerical mismatch alone, not policy change: the loss pass's tokens of the version
+    being trained (`add_rl`) and the tokens of the previous synced version scored under a copy of its
+    weights (`add_onpolicy`, zrl.trainer.onpolicy); `onpolicy_version_lag` is how many steps older than
+    the weights being trained the scoring weights were (the largest, 0 when only the loss pass scored).
+    A step without such tokens reports `onpolicy_num_tokens` = 0 and leaves the statistics out (not
+    NaN), so dashboards and the stage plots show no point there.
 
     Expert counts are [L, C] (C = the model family's `count_classes`: E, plus a skip class for MoE++);
     `routing_metrics` (the family's) turns the global counts into the `routing/*` load metrics.
@@ -116,7 +119,7 @@ class StepStats:
         maxes = {}
         if kind == "rl":
             sizes.update(trust_region=8, mismatch=NUM_SUMS, mismatch_onpolicy=NUM_SUMS)
-            maxes.update(is_weight_extremes=2, mismatch_max=1, mismatch_onpolicy_max=1)
+            maxes.update(is_weight_extremes=2, mismatch_max=1, mismatch_onpolicy_max=1, onpolicy_version_lag=1)
         zeros = dict(dtype=torch.float64, device=device)
         self.sums = {k: torch.zeros(n, **zeros) for k, n in sizes.items()}  # reduced with SUM
         self.maxes = {k: torch.full((n,), -math.inf, **zeros) for k, n in maxes.items()}  # reduced with MAX
@@ -153,11 +156,22 @@ class StepStats:
         self._max("is_weight_extremes", torch.stack([tr_stats.max_is_weight, -tr_stats.min_is_weight]))
         onpolicy = mb.loss_mask & (mb.versions == trainer_step)  # sampled by the weights being trained
         for key, mask in (("mismatch", mb.loss_mask), ("mismatch_onpolicy", onpolicy)):
-            sums = mismatch_sums(out.logprobs, mb.behaviour_logprobs, mask)
-            self._max(key + "_max", sums[_MISMATCH_MAX:])
-            sums = sums.clone()
-            sums[_MISMATCH_MAX] = 0.0
-            self._add(key, sums)
+            self._add_mismatch(key, out.logprobs, mb.behaviour_logprobs, mask)
+
+    def add_onpolicy(self, mb: Microbatch, logprobs: torch.Tensor, version: int, lag: int) -> None:
+        """The tokens of `mb` sampled by `version`, whose trainer `logprobs` [T] were taken under that
+        version's weights, `lag` steps older than the weights being trained."""
+        mask = mb.loss_mask & (mb.versions == version)
+        self._add_mismatch("mismatch_onpolicy", logprobs, mb.behaviour_logprobs, mask)
+        self._max("onpolicy_version_lag", torch.where(mask.any(), float(lag), -math.inf))  # -inf: no token
+
+    def _add_mismatch(self, key: str, trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                      mask: torch.Tensor) -> None:
+        sums = mismatch_sums(trainer_logprobs, behaviour_logprobs, mask)
+        self._max(key + "_max", sums[_MISMATCH_MAX:])
+        sums = sums.clone()
+        sums[_MISMATCH_MAX] = 0.0
+        self._add(key, sums)
 
     def all_reduce(self, group=None) -> None:
         """Sum (and max) every accumulator over the ranks of `group` (one collective each kind)."""
@@ -199,6 +213,8 @@ class StepStats:
                 stats = MismatchStats.from_sums(sums.cpu())
                 values = stats.as_metrics() if stats.num_tokens else {"num_tokens": 0.0}  # no tokens: count only
                 out.update({prefix + k: v for k, v in values.items()})
+            if out["mismatch/onpolicy_num_tokens"]:
+                out["mismatch/onpolicy_version_lag"] = max(float(self.maxes["onpolicy_version_lag"][0]), 0.0)
         if "replay" in s:
             disagree, recorded, missing = s["replay"].tolist()
             out["routing/replay_disagree_frac"] = disagree / recorded if recorded else math.nan

@@ -46,6 +46,8 @@ class TrainerSettings:
     hsdp_replicas: int = _RESOURCES["hsdp_replicas"].default
     muon_mode: str = "layer_sharded"  # zrl.optim distributed_mode ("replicated" = baseline)
     bias_balancer_lr: float = BIAS_BALANCER_LR  # AdamW lr of the router balancing biases (bias update on)
+    # tokens per rank and RL step scored again under the previous synced version's weights (onpolicy.py); 0: off
+    onpolicy_mismatch_tokens: int = _RESOURCES["trainer_onpolicy_mismatch_tokens"].default
     with_entropy: bool = True  # compute the policy entropy of response tokens for metrics
     logprob_chunk_tokens: int | None = None  # LM-head chunk (None: zrl.moepp default)
 
@@ -56,6 +58,8 @@ class TrainerSettings:
             raise ValueError(f"kernels must be one of {', '.join(BACKENDS)}, got {self.kernels!r}")
         if self.token_budget < 2 or self.max_response_tokens < 1 or self.hsdp_replicas < 1:
             raise ValueError("token_budget must be >= 2, max_response_tokens and hsdp_replicas >= 1")
+        if self.onpolicy_mismatch_tokens < 0:
+            raise ValueError(f"onpolicy_mismatch_tokens must be >= 0, got {self.onpolicy_mismatch_tokens}")
 
     @classmethod
     def from_stage(cls, stage: RLStage | SFTStage, **deployment) -> TrainerSettings:

@@ -13,6 +13,9 @@ One `train_step(share)`:
   3. AdamW-only clipping, Muon + AdamW step, LR schedule, optional router-bias balancing on the
      all-reduced global expert counts;
   4. two all-reduces turn the per-rank statistics into the global batch's metrics.
+Before 2., an RL step scores a sample of its tokens sampled by the previous synced version under a host
+copy of those weights (`mismatch/onpolicy_*` on every step whatever the sync cadence; onpolicy.py), and
+puts the current weights back bit for bit.
 `version` = optimizer steps applied; a share must say its batch was pulled at this version.
 
 Everything collective (steps, checkpoints, exports) must be called on every rank in the same order.
@@ -29,6 +32,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -41,7 +45,8 @@ from zrl.trainer.activations import OffloadSavedTensors, configure_checkpointing
 from zrl.trainer.batch import SFTExample, pack_rollouts, pack_sft
 from zrl.trainer.distributed import Rendezvous, build_mesh, device_of_backend, init_process_group, shard_model
 from zrl.trainer.export import DEFAULT_BUCKET_BYTES, WeightBucket, export_hf_checkpoint, iter_weight_buckets
-from zrl.trainer.loss import StepStats, rl_microbatch_loss, sft_microbatch_loss
+from zrl.trainer.loss import StepStats, forward_logprobs, rl_microbatch_loss, sft_microbatch_loss
+from zrl.trainer.onpolicy import SyncedShards, onpolicy_sample
 from zrl.trainer.settings import TrainerSettings
 from zrl.trainer.packing import input_length, plan_rank, split_batch
 from zrl.types import RankShare, TrainBatch
@@ -103,6 +108,7 @@ class TrainerWorker:
         self.model = self._build_model()
         self.shape = self.family.shape(self.model.config)
         self.version = 0
+        self.synced = SyncedShards()  # the previous synced version's weights, for mismatch/onpolicy_*
         self._build_optimizer()
         if settings.activation_offload and self.device.type == "cpu":
             logger.info("activation offload requested on CPU: nothing to offload to, running without it")
@@ -149,6 +155,7 @@ class TrainerWorker:
             raise ValueError(f"{changed} cannot change between stages of one TrainerWorker")
         moments = self.optimizer.state_dict()["state"] if keep_optimizer_state else None
         self.settings = settings
+        self.synced.drop()  # the stage's engines start from the current weights: no older version's tokens
         self._build_optimizer()
         if moments:
             sd = self.optimizer.state_dict()
@@ -165,17 +172,24 @@ class TrainerWorker:
         s, shape = self.settings, self.shape
         objective = s.objective()
 
-        def build(indices):
-            return pack_rollouts(share.rollouts, share.advantages, indices, num_layers=shape.num_layers,
+        def pack(rollouts, advantages, indices):
+            return pack_rollouts(rollouts, advantages, indices, num_layers=shape.num_layers,
                                  experts_per_token=shape.experts_per_token, replay=s.replay, device=self.device,
                                  num_experts=shape.num_experts, skip_class=shape.skip_class)
+
+        def build(indices):
+            return pack(share.rollouts, share.advantages, indices)
 
         def loss_fn(mb, stats):
             return rl_microbatch_loss(self.model, mb, objective, global_num_seqs=share.num_sequences,
                                       global_num_tokens=share.num_response_tokens, trainer_step=self.version,
                                       stats=stats, with_entropy=s.with_entropy, chunk_tokens=s.logprob_chunk_tokens)
 
-        metrics = self._step("rl", [list(mb) for mb in share.microbatches], share.packing_stats, build, loss_fn)
+        def score(stats, clock):
+            self._score_onpolicy(share, pack, stats, clock)
+
+        metrics = self._step("rl", [list(mb) for mb in share.microbatches], share.packing_stats, build, loss_fn,
+                             before=score)
         metrics.update({"batch/num_sequences": float(share.num_sequences),
                         "batch/num_response_tokens": float(share.num_response_tokens),
                         "batch/max_staleness": float(share.max_staleness),
@@ -208,9 +222,11 @@ class TrainerWorker:
         metrics.update({"batch/num_sequences": float(len(examples)), "batch/num_response_tokens": float(num_tokens)})
         return metrics
 
-    def _step(self, kind: str, microbatches: list[list[int]], packing_stats, build, loss_fn) -> dict[str, float]:
+    def _step(self, kind: str, microbatches: list[list[int]], packing_stats, build, loss_fn,
+              before=None) -> dict[str, float]:
         """Forward/backward over this rank's `microbatches` (indices for `build`; [] = a no-loss
-        microbatch), then the optimizer step; `packing_stats` describe the whole batch's plan."""
+        microbatch), then the optimizer step; `packing_stats` describe the whole batch's plan.
+        `before(stats, clock)` runs ahead of the microbatches (the RL step's on-policy scoring)."""
         s = self.settings
         start = time.perf_counter()
         self._reset_peak_memory()
@@ -220,6 +236,8 @@ class TrainerWorker:
         offload = OffloadSavedTensors() if s.activation_offload and self.device.type != "cpu" else None
         clock = PhaseClock(self.device)
         self.model.train()
+        if before is not None:
+            before(stats, clock)
         for indices in microbatches:
             with offload if offload is not None else nullcontext():
                 self._microbatch(indices, build, loss_fn, stats, clock)
@@ -233,8 +251,8 @@ class TrainerWorker:
         phases = clock.seconds()  # waits for the step's queued work, once
         forward_s, backward_s, optimizer_s = phases["forward"], phases["backward"], phases["optimizer"]
         step_s = time.perf_counter() - start
-        stats.maxes["perf"] = torch.tensor([step_s, forward_s, backward_s, optimizer_s, self._peak_memory_bytes()],
-                                           dtype=torch.float64, device=self.device)
+        stats.maxes["perf"] = torch.tensor([step_s, forward_s, backward_s, optimizer_s, phases["onpolicy"],
+                                            self._peak_memory_bytes()], dtype=torch.float64, device=self.device)
         stats.all_reduce()
         bias_error = None
         if self.bias_balancer is not None:
@@ -242,7 +260,7 @@ class TrainerWorker:
         self.version += 1
 
         metrics = stats.metrics()
-        step_s, forward_s, backward_s, optimizer_s, peak = stats.maxes["perf"].tolist()
+        step_s, forward_s, backward_s, optimizer_s, onpolicy_s, peak = stats.maxes["perf"].tolist()
         tokens = metrics["batch/input_tokens"]
         metrics.update(packing_stats)
         metrics.update({
@@ -252,7 +270,8 @@ class TrainerWorker:
             "optim/muon_ns_flops_local": float(self.optimizer.last_muon_stats.ns_flops),
             "optim/version": float(self.version),
             "perf/step_s": step_s, "perf/forward_s": forward_s, "perf/backward_s": backward_s,
-            "perf/optimizer_s": optimizer_s, "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            "perf/optimizer_s": optimizer_s, "perf/onpolicy_s": onpolicy_s,
+            "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
             "perf/tokens_per_s_per_rank": tokens / step_s / self.world_size if step_s > 0 else 0.0,
             "perf/microbatches": float(len(microbatches)),
             "perf/peak_memory_gib": peak / 2**30,
@@ -276,6 +295,37 @@ class TrainerWorker:
         out.loss.backward()
         clock.lap("backward")
 
+    def _score_onpolicy(self, share: RankShare, pack, stats: StepStats, clock: PhaseClock) -> None:
+        """Score up to `onpolicy_mismatch_tokens` of the share's tokens sampled by the copy's version under
+        the copy (onpolicy.py), then refresh the copy when the current weights were synced since.
+
+        Collective: every rank runs the forward or none does (the copy's version and the batch's
+        staleness are the same everywhere); a rank with no such token runs the 1-token dummy."""
+        synced, budget = self.synced, self.settings.onpolicy_mismatch_tokens
+        if budget == 0:
+            return
+        version = synced.scored_version(share.trainer_step, share.max_staleness)
+        clock.start()
+        if version is None:
+            if synced.refreshes(self.version):
+                synced.refresh(self.model, self.version)
+                clock.lap("onpolicy")
+            return
+        sample = onpolicy_sample(share.rollouts, version, max_scored_tokens=budget,
+                                 max_input_tokens=self.settings.token_budget, seed=(self.version, self.rank))
+        mb = pack(sample, np.zeros(len(sample)), list(range(len(sample))))  # [] -> the dummy
+        with synced.swapped_in(self.model, self.version), torch.no_grad():
+            out = forward_logprobs(self.model, mb, with_entropy=False, chunk_tokens=self.settings.logprob_chunk_tokens,
+                                   sampling=self.settings.sampling)
+            # FSDP2's root keeps its gathered (the copy's) parameters after a forward and records the
+            # forward's order for backward prefetching, both cleared by a backward: reshard and clear
+            # them so the training forward gathers the restored shards (without it the next backward
+            # crashed: a segfault on 1 gloo rank).
+            self.model.reset_iter_state()
+        if not mb.is_dummy:
+            stats.add_onpolicy(mb, out.logprobs, version, lag=self.version - version)
+        clock.lap("onpolicy")
+
     def _reset_peak_memory(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -297,7 +347,14 @@ class TrainerWorker:
         state = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                      bias_balancer=self.bias_balancer)
         self.version = state.step
+        self.synced.drop()  # its version may not be this checkpoint's past
         return state.data_state
+
+    def weights_synced(self) -> None:
+        """A weight sync sent the current weights to the rollout engines (every rank calls it, before the
+        sync's gathers): the next RL step keeps a host copy of them to score their tokens later."""
+        if self.settings.onpolicy_mismatch_tokens > 0:
+            self.synced.synced(self.version)
 
     def export_weights(self, dtype: torch.dtype | None = torch.bfloat16,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[WeightBucket]:

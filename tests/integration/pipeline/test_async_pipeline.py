@@ -77,6 +77,16 @@ def test_rollout_weights_equal_the_trainers_after_sync(async_run):
         assert r["mismatch/onpolicy_max_abs_prob_diff"] < 1e-4
 
 
+def test_tokens_of_an_older_synced_version_are_scored_under_its_weights(async_run):
+    _, rows, _ = async_run
+    # The trainer keeps a host copy of the previous synced version's weights (zrl/trainer/onpolicy.py)
+    # and scores that version's tokens under it on every step: rows with a lag of 1 or more carry them,
+    # and in fp32 the engine agrees with that copy as with the current weights (the test above).
+    lagged = [r for r in rows if r.get("mismatch/onpolicy_version_lag", 0) >= 1]
+    assert lagged, "no step scored tokens under an older synced version's weights"
+    assert all(r["mismatch/onpolicy_max_abs_prob_diff"] < 1e-4 for r in lagged)
+
+
 def test_no_rollout_array_crosses_the_driver(async_run):
     _, rows, _ = async_run
     # The driver counts the rollout-array bytes of everything it fetches; the workers count what they

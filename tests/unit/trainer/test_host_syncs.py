@@ -282,3 +282,34 @@ def test_microbatch_host_syncs_within_budget(tiny_checkpoint, single_rank, monke
     for counter in counters:
         budgeted = sum(n for (_, site), n in counter.by_site.items() if KERNEL_REFERENCES not in site)
         assert budgeted <= BUDGET, f"{budgeted} host syncs in one microbatch:\n{counter.table()}"
+
+
+def test_onpolicy_scoring_host_syncs_within_budget(tiny_checkpoint, single_rank, monkeypatch):
+    """The scoring under the previous synced version's weights (zrl/trainer/onpolicy.py) runs on every RL
+    step: the sample is chosen on the host, the weights move by asynchronous copies, and the forward and
+    its statistics are the training microbatch's; the same budget holds."""
+    ref = load_hf_checkpoint(tiny_checkpoint)
+    cfg = ref.config
+    batches = [synthetic_train_batch(vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
+                                     num_experts=cfg.num_experts, num_groups=2, group_size=3, trainer_step=k, seed=3,
+                                     model=ref, logprob_noise=0.2) for k in (0, 1)]
+    settings = TrainerSettings(param_dtype="float32", token_budget=64, max_response_tokens=40, kernels="reference",
+                               optimizer=Optimizer(muon=MuonSpec(lr=1e-2)), onpolicy_mismatch_tokens=16)
+    worker = TrainerWorker(single_rank, tiny_checkpoint, settings)
+    worker.weights_synced()
+    worker.train_step(worker.share_of(batches[0]))  # the copy becomes version 0
+    counters = []
+    run = TrainerWorker._score_onpolicy
+
+    def counted(self, *args, **kwargs):
+        with SyncCounter() as counter:
+            result = run(self, *args, **kwargs)
+        counters.append(counter)
+        return result
+
+    monkeypatch.setattr(TrainerWorker, "_score_onpolicy", counted)
+    metrics = worker.train_step(worker.share_of(batches[1]))  # tokens of versions 0 and 1
+    assert metrics["mismatch/onpolicy_version_lag"] == 1 and metrics["mismatch/onpolicy_num_tokens"] > 0
+    [counter] = counters
+    budgeted = sum(n for (_, site), n in counter.by_site.items() if KERNEL_REFERENCES not in site)
+    assert budgeted <= BUDGET, f"{budgeted} host syncs in the on-policy scoring:\n{counter.table()}"
