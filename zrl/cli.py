@@ -1,4 +1,4 @@
-"""The `zrl` command line: run, validate, plan, envs, eval, ttc, init-tiny-model.
+"""The `zrl` command line: run, validate, plan, envs, eval, ttc, export, init-tiny-model.
 
 Entry points stay thin: parsing and printing here, work in the library. A user's mistake (missing
 file, bad YAML, unknown field, wrong type, out-of-range value, a bad `--set`, and every problem
@@ -312,6 +312,17 @@ def cmd_ttc(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from zrl.checkpoint_export import ExportError, export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, model_path=args.model, dtype=args.dtype)
+    except ExportError as exc:
+        return _error([str(exc)])
+    sys.stdout.write(f"Hugging Face checkpoint written to {out}\n")
+    return 0
+
+
 def cmd_plan(args) -> int:
     from zrl.plan.report import (format_point, format_sweep, knee, load_workload, plan_point, plot_sweep,
                                   point_summary, with_model)
@@ -488,6 +499,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="engine dtype")
     p.add_argument("--output", default="ttc.jsonl", help="JSONL of every candidate")
     p.set_defaults(func=cmd_ttc)
+
+    p = command("export", "write a trainer checkpoint (<output_dir>/checkpoints/step_N) as a Hugging Face "
+                          "checkpoint directory, as a stage's export (<output_dir>/stages/<name>/hf)",
+                json_output=False)
+    p.add_argument("checkpoint", help="trainer checkpoint directory, e.g. <output_dir>/checkpoints/step_000120")
+    p.add_argument("out", help="new or empty directory to write")
+    p.add_argument("--model", help="the model the run started from, for its config and tokenizer (directory or Hub "
+                                   "repo id; default: model.path of the run's recipe.resolved.yaml)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weights' dtype (default: the run's model.dtype)")
+    p.set_defaults(func=cmd_export)
 
     p = command("init-tiny-model", "build the tiny CPU tokenizer + checkpoint (zaya or qwen3_moe)", json_output=False)
     p.add_argument("dir", help="new or empty directory to write (a scratch asset path such as runs/assets/tiny-zaya)")

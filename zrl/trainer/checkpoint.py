@@ -17,12 +17,15 @@ Invariants:
   comes back unchanged from `load_checkpoint`.
 - The JSON file is written after the DCP files (then all ranks meet at a barrier), so a directory
   with trainer_state.json holds a complete checkpoint.
+- The model's weights alone load in one process without a process group (`load_model_weights`, for
+  `zrl export`): DCP reads them into a plain module whatever the number of ranks that saved them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,12 +89,7 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
                     bias_balancer: BiasBalancer | None) -> TrainerState:
     """Collective: restore everything `save_checkpoint` wrote, on any number of ranks."""
     path = Path(path)
-    state_file = path / STATE_FILE
-    if not state_file.exists():
-        raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {STATE_FILE})")
-    meta = json.loads(state_file.read_text())
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{state_file}: checkpoint format {meta.get('format')}, this trainer reads {FORMAT_VERSION}")
+    meta = read_trainer_state(path)
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if meta["has_optimizer_state"]:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
@@ -111,6 +109,31 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
     logger.info("loaded trainer checkpoint of step %d (saved on %d ranks) from %s", meta["step"],
                 meta["world_size"], path)
     return TrainerState(step=meta["step"], data_state=meta["data_state"], world_size=meta["world_size"])
+
+
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The trainer_state.json of the complete checkpoint `path`; FileNotFoundError or ValueError (one line)
+    for a directory that is none, or one of another format."""
+    path = Path(path)
+    state_file = path / STATE_FILE
+    if not state_file.is_file():
+        raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {STATE_FILE})")
+    meta = json.loads(state_file.read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{state_file}: checkpoint format {meta.get('format')}, this trainer reads {FORMAT_VERSION}")
+    return meta
+
+
+def load_model_weights(path: str | Path, model: torch.nn.Module) -> int:
+    """Load the model entry of checkpoint `path` into `model`, a plain (unsharded) module of the same
+    architecture, in this process alone (no process group needed); returns the checkpoint's step."""
+    meta = read_trainer_state(path)
+    state = {"model": get_model_state_dict(model)}
+    with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the point here
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    set_model_state_dict(model, state["model"])
+    return meta["step"]
 
 
 def _check_json(data_state: dict[str, Any]) -> None:

@@ -1,0 +1,89 @@
+"""`zrl export`: a trainer checkpoint (`<run>/checkpoints/step_N`) as a Hugging Face checkpoint directory,
+the same as a stage's export (`<run>/stages/<name>/hf`).
+
+A trainer checkpoint holds tensors (torch.distributed.checkpoint) and the trainer's state, no config and
+no tokenizer: those come from the model the run started from, `model.path` (and `revision`) of the run's
+recipe.resolved.yaml two directories up (zrl/run_dir.py), or from `model_path` when given. The family's
+module is built on the meta device, the checkpoint's weights load into it in this process, without Ray or
+a process group (zrl.trainer.checkpoint.load_model_weights), and the stage's own writer exports it
+(zrl.trainer.export.export_hf_checkpoint: config.json, safetensors, the model directory's tokenizer
+files), in the run's `model.dtype` unless `dtype` is given.
+
+Invariants: nothing is written unless the checkpoint is complete and its model is found; `out` is new or
+empty. Every problem with the input is one line: an ExportError, or zrl.hub.ModelPathError for a model
+path that cannot be had.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import yaml
+
+from zrl.config.schema import ModelSpec
+from zrl.run_dir import RunDir
+
+log = logging.getLogger("zrl")
+
+
+class ExportError(ValueError):
+    """A checkpoint, a run or an output directory that cannot be exported from or to (one line)."""
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, model_path: str | None = None,
+                      dtype: str | None = None) -> Path:
+    """Write the trainer checkpoint `checkpoint` as a Hugging Face checkpoint directory `out`; returns `out`."""
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from zrl.assets import is_checkpoint_dir
+    from zrl.hub import local_checkpoint
+    from zrl.models import family_of_checkpoint
+    from zrl.trainer.checkpoint import load_model_weights, read_trainer_state
+    from zrl.trainer.export import export_hf_checkpoint
+    from zrl.trainer.settings import DTYPES
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    if not checkpoint.is_dir():
+        raise ExportError(f"{checkpoint}: no such directory")
+    try:
+        step = read_trainer_state(checkpoint)["step"]
+    except (OSError, ValueError) as exc:  # not a checkpoint, an unfinished one, another format
+        raise ExportError(str(exc)) from None
+    if not (checkpoint / ".metadata").is_file():
+        raise ExportError(f"{checkpoint}: no .metadata, not a torch.distributed.checkpoint directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out}: exists and is not an empty directory")
+    spec, field = model_of(checkpoint, model_path)
+    model_dir = local_checkpoint(field, spec.path, spec.revision, is_checkpoint_dir,
+                                 "model checkpoint directory (config.json and *.safetensors)")
+    family = family_of_checkpoint(model_dir)
+    with torch.device("meta"):
+        model = family.build(family.read_config(model_dir))
+    model.to_empty(device="cpu")
+    try:
+        load_model_weights(checkpoint, model)
+    except CheckpointException as exc:  # another model's checkpoint: DCP names a key or shape that differs
+        reason = (str(exc).strip().splitlines() or ["CheckpointException"])[-1]  # the last line of its traceback
+        raise ExportError(f"{checkpoint}: does not hold the weights of {model_dir} ({reason})") from None
+    export_dtype = dtype or spec.dtype
+    export_hf_checkpoint(model, out, version=step, dtype=DTYPES[export_dtype], companion_dir=model_dir)
+    log.info("trainer step %d of %s exported to %s (%s, model and tokenizer of %s)", step, checkpoint, out,
+             export_dtype, model_dir)
+    return out
+
+
+def model_of(checkpoint: Path, model_path: str | None) -> tuple[ModelSpec, str]:
+    """The model the checkpoint's run started from and the field that names it (for messages): `model_path`,
+    else `model` of the run's recipe.resolved.yaml (`<run>/checkpoints/step_N`: two directories up)."""
+    resolved = RunDir(checkpoint.resolve().parent.parent).resolved_recipe
+    recorded = None
+    if resolved.is_file():
+        raw = yaml.safe_load(resolved.read_text())
+        recorded = ModelSpec.model_validate(raw["model"]) if isinstance(raw, dict) and "model" in raw else None
+    if model_path is not None:
+        return ModelSpec(path=model_path, **({"dtype": recorded.dtype} if recorded else {})), "--model"
+    if recorded is None:
+        raise ExportError(f"{checkpoint}: no run's {resolved.name} at {resolved} to name the model; give --model")
+    return recorded, f"{resolved}: model.path"
