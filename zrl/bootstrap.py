@@ -244,7 +244,8 @@ def main(argv: list[str]) -> int:
     fetches = fetch_nltk_data(dry_run)
     if dry_run:
         if not (installs or fetches):
-            print(f"installed and up to date ({extras.split(',')[0].upper()} stack); setup would do nothing", flush=True)
+            stack = extras.split(",")[0].upper()
+            print(f"installed and up to date ({stack} stack); setup would do nothing", flush=True)
         return 0
     env = cache_env()
     os.chdir(ROOT)

@@ -146,7 +146,8 @@ def test_the_gpu_stack_reports_the_driver_and_the_gpus(tree, bin_dir):
     assert "warning: no nvidia-smi on the PATH: no NVIDIA driver found" in done.stderr
     fake_nvidia_smi(bin_dir, "GPU 0: NVIDIA H200 (UUID: GPU-0f2c)", driver="580.65.06")
     done = bootstrap(tree, bin_dir, "--gpu")
-    assert f"nvidia-smi: {bin_dir / 'nvidia-smi'}, driver 580.65.06, 1 GPU(s) listed\n  GPU 0: NVIDIA H200" in done.stderr
+    report = f"nvidia-smi: {bin_dir / 'nvidia-smi'}, driver 580.65.06, 1 GPU(s) listed\n  GPU 0: NVIDIA H200"
+    assert report in done.stderr
     assert "warning" not in done.stderr
     fake_nvidia_smi(bin_dir, "GPU 0: NVIDIA H100 (UUID: GPU-0f2c)", driver="550.54.15")
     assert "warning: driver 550.54.15: the GPU stack's CUDA 13 torch needs driver 580 or newer" in bootstrap(

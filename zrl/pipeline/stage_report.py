@@ -99,7 +99,8 @@ def step_count(step: int, end_step: int, stage_steps: int) -> str:
 
 def progress_line(step: int, end_step: int, stage_steps: int, values: dict[str, float]) -> str:
     reward = values.get("reward/mean")
-    return (f"{step_count(step, end_step, stage_steps)} | reward {'-' if reward is None or math.isnan(reward) else f'{reward:.3f}'} | "
+    shown = "-" if reward is None or math.isnan(reward) else f"{reward:.3f}"
+    return (f"{step_count(step, end_step, stage_steps)} | reward {shown} | "
             f"loss {values.get('loss/policy', float('nan')):.4f} | staleness max {int(values.get('staleness/max', 0))} | "
             f"buffered {int(values.get('buffer/occupancy', 0))} | gen {values['throughput/rollout_tokens_per_s']:.0f} tok/s | "
             f"train {values.get('perf/tokens_per_s', 0.0):.0f} tok/s | sync {values['sync/time_s']:.2f} s | "
