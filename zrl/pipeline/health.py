@@ -1,7 +1,8 @@
 """Learning-health checks of an RL stage: the signals that say learning went wrong, and what the run does.
 
-Every metric row of the stage (a trainer step's row, with a held-out evaluation's values when one came
-in) goes through `HealthMonitor.check`. A signal whose condition holds is an alarm. Its onset is reported
+Every metric row of the stage goes through `HealthMonitor.check`, and every held-out evaluation through
+`check_evaluation` as it comes in (not with the row that carries it: a collapsed stage may make no more
+rows). A signal whose condition holds is an alarm. Its onset is reported
 once, not on every row while it holds: a warning line naming the stage, the step, the signal, the value
 and its band; a line in `<output_dir>/alarms.jsonl`, which nothing rewinds (it is the run's history,
 rollbacks included), and which the cascade report marks. Every row carries `health/alarms` (onsets so far
@@ -108,9 +109,8 @@ class HealthMonitor:
         """Check one metric row (step `step`); returns the `health/*` values to log with it."""
         found = {}  # signal -> message, for every signal holding on this row
         h = self.health
-        drop = self._held_out_drop(row)
-        if drop is not None:
-            found["held_out_drop"] = drop
+        if self._low is not None:  # the latest evaluation's verdict (checked as it came in)
+            found["held_out_drop"] = self._low
         if h.max_canary_frac is not None:
             for key in CANARIES:
                 value = row.get(key)
@@ -137,13 +137,23 @@ class HealthMonitor:
         self._holding = set(found)
         return {"health/alarms": float(len(self.alarms)), "health/active": float(len(found))}
 
+    def check_evaluation(self, values: dict[str, float]) -> None:
+        """Check a held-out evaluation as it comes in (`held_out_metrics` values): the row that carries it
+        may come much later, or never when the stage stops making steps. Its verdict holds for the rows
+        until the next evaluation; an alarm's step is the evaluated policy version."""
+        drop = self._held_out_drop(values)
+        if drop is None:
+            self._holding.discard("held_out_drop")
+            return
+        self.good_step = min(self.good_step, self._last_good_eval)
+        if "held_out_drop" not in self._holding:
+            self._raise(Alarm(self.stage, int(values[POLICY_VERSION]), "held_out_drop", drop, self.health.on_alarm))
+            self._holding.add("held_out_drop")
+
     def _held_out_drop(self, row: dict[str, float]) -> str | None:
-        """Why the held-out accuracy is below the stage's start, or None. Between two evaluations the
-        latest one's verdict holds."""
+        """Why the evaluation `row` is below the stage's start, or None (also kept as `_low`)."""
         if self.health.held_out_sigmas is None:
             return None
-        if POLICY_VERSION not in row:
-            return self._low
         version = int(row[POLICY_VERSION])
         accuracies = {k.split("/")[1]: v for k, v in row.items()
                       if k.startswith("eval/") and k.endswith("/accuracy") and math.isfinite(v)}

@@ -186,6 +186,8 @@ class StageReporter:
     def evaluated(self, report, worker: int) -> None:
         """A held-out evaluation's report (rollout_worker's): its values go with the next row."""
         self.eval_values = held_out_metrics(report.policy_version, report.results)
+        if self.health is not None:
+            self.health.check_evaluation(self.eval_values)
         log.info("stage %r: held-out accuracy at policy version %d: %s (%.1f s on rollout worker %d)",
                  self.stage_name, report.policy_version, summary(report.results), report.seconds, worker)
 

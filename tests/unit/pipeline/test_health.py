@@ -22,17 +22,24 @@ def evaluated(version, accuracy):
 
 def test_held_out_accuracy_below_the_start_beyond_the_noise_raises_one_alarm_until_it_recovers(tmp_path):
     m = monitor(tmp_path)
-    assert m.check(241, evaluated(240, 0.35)) == {"health/alarms": 0.0, "health/active": 0.0}  # the baseline
+    m.check_evaluation(evaluated(240, 0.35))  # the baseline: the policy the stage started from
+    assert m.check(241, {}) == {"health/alarms": 0.0, "health/active": 0.0}
     # 2 standard errors of the difference at n = 80: 2 * hypot(se(0.35), se(0.275)) = 0.146
-    assert m.check(243, evaluated(242, 0.275))["health/alarms"] == 0  # within the noise
-    assert m.check(245, evaluated(244, 0.15)) == {"health/alarms": 1.0, "health/active": 1.0}
+    m.check_evaluation(evaluated(242, 0.275))
+    assert m.check(243, {})["health/alarms"] == 0  # within the noise
+    m.check_evaluation(evaluated(244, 0.15))  # raised as it comes in, before any row carries it
+    assert len(m.alarms) == 1 and m.alarms[0].step == 244
+    assert m.check(245, {}) == {"health/alarms": 1.0, "health/active": 1.0}
     assert m.check(246, {})["health/active"] == 1.0  # no new evaluation: the latest verdict holds
-    assert m.check(247, evaluated(246, 0.1))["health/alarms"] == 1  # still the same onset
-    assert m.check(249, evaluated(248, 0.3)) == {"health/alarms": 1.0, "health/active": 0.0}
-    assert m.check(251, evaluated(250, 0.05))["health/alarms"] == 2  # a new onset
+    m.check_evaluation(evaluated(246, 0.1))
+    assert m.check(247, {})["health/alarms"] == 1  # still the same onset
+    m.check_evaluation(evaluated(248, 0.3))
+    assert m.check(249, {}) == {"health/alarms": 1.0, "health/active": 0.0}
+    m.check_evaluation(evaluated(250, 0.05))
+    assert m.check(251, {})["health/alarms"] == 2  # a new onset
     alarms = read_alarms(tmp_path / "alarms.jsonl")
-    assert [(a["step"], a["signal"], a["action"]) for a in alarms] == [(245, "held_out_drop", "warn"),
-                                                                        (251, "held_out_drop", "warn")]
+    assert [(a["step"], a["signal"], a["action"]) for a in alarms] == [(244, "held_out_drop", "warn"),
+                                                                        (250, "held_out_drop", "warn")]
     assert "tools 0.150 at policy version 244 is below the stage's start 0.350" in alarms[0]["message"]
 
 
@@ -68,9 +75,9 @@ def test_grad_norm_spikes_count_after_the_warmup_steps():
 def test_a_null_threshold_turns_its_check_off():
     m = monitor(max_canary_frac=None, held_out_sigmas=None, max_mismatch_kl=None, grad_norm_factor=None)
     for step in range(241, 250):
+        m.check_evaluation(evaluated(step - 1, 0.0 if step > 241 else 1.0))
         assert m.check(step, {"canary/lz77_flagged_fraction": 1.0, "mismatch/onpolicy_kl_k3": 9.0,
-                              "grad/norm_total": 10.0 ** step, **evaluated(step - 1, 0.0 if step > 241 else 1.0)}
-                       )["health/active"] == 0
+                              "grad/norm_total": 10.0 ** step})["health/active"] == 0
 
 
 def test_warn_never_asks_to_stop_and_stop_asks_once_an_alarm_fired():
@@ -87,16 +94,20 @@ def test_warn_never_asks_to_stop_and_stop_asks_once_an_alarm_fired():
 
 def test_rollback_goes_to_the_last_healthy_step_and_to_before_a_bad_evaluation():
     m = monitor(on_alarm="rollback", max_rollbacks=1)
+    m.check_evaluation(evaluated(240, 0.4))
     for step in range(241, 246):
-        m.check(step, evaluated(240, 0.4) if step == 241 else {})
+        m.check(step, {})
     m.check(246, {"canary/lz77_flagged_fraction": 0.9})
     request = m.stop_request()
     assert isinstance(request, RollBack) and (request.alarm_step, request.good_step) == (246, 245)
-    # an evaluation of policy 244 that arrives with row 247 says the rows after 242's evaluation were not good
+    # an evaluation of policy 244 that arrives after row 246 says the rows after 242's evaluation were not good
     m = monitor(on_alarm="rollback")
+    m.check_evaluation(evaluated(240, 0.4))
     for step in range(241, 247):
-        m.check(step, evaluated(240, 0.4) if step == 241 else evaluated(242, 0.41) if step == 243 else {})
-    m.check(247, evaluated(244, 0.05))
+        if step == 243:
+            m.check_evaluation(evaluated(242, 0.41))
+        m.check(step, {})
+    m.check_evaluation(evaluated(244, 0.05))
     assert m.stop_request().good_step == 242
     used = HealthMonitor("rl", Health(on_alarm="rollback", max_rollbacks=1), eval_samples=80, start_version=240,
                          rollbacks=1)

@@ -86,3 +86,28 @@ def test_an_evaluation_goes_with_the_next_row_and_what_no_row_carried_is_logged_
     reporter.evaluated(report, worker=1)
     reporter.flush_evaluation(4)
     assert rows[1] == (4, {"eval/policy_version": 2.0, "eval/e/accuracy": 0.5, "eval/e/response_tokens_mean": 10.0})
+
+
+def test_the_health_monitor_checks_each_row_and_each_evaluation_as_it_comes_in():
+    import time
+    from types import SimpleNamespace
+
+    from zrl.config.schema import Health
+    from zrl.pipeline.health import HealthMonitor
+    from zrl.pipeline.stage_report import StageReporter
+
+    rows = []
+    reporter = StageReporter("s", 3, StageCounters(), lambda step, values: rows.append((step, values)) or True)
+    reporter.health = HealthMonitor("s", Health(), eval_samples=200, start_version=3)
+    schedule = StageSchedule(num_workers=1, trainer_step=3, end_step=6, prompts_per_batch=2,
+                             sync_every_steps=1, synchronous=False)
+
+    def evaluation(version, accuracy):
+        return SimpleNamespace(policy_version=version, seconds=1.0, results=(
+            ("e", SimpleNamespace(accuracy=accuracy, mean_response_tokens=10.0, metadata_means={})),))
+
+    reporter.evaluated(evaluation(3, 0.6), worker=0)
+    reporter.step(time.perf_counter(), schedule, {}, {}, {"canary/lz77_flagged_fraction": 0.5}, [])
+    assert rows[-1][1]["health/alarms"] == 1 and reporter.health.alarms[0].signal == "canary"
+    reporter.evaluated(evaluation(4, 0.1), worker=0)  # no row needed: a collapsed stage may make none
+    assert [a.signal for a in reporter.health.alarms] == ["canary", "held_out_drop"]
