@@ -47,3 +47,14 @@ def test_the_layout_names_directories_that_exist():
     assert listed == present
     for doc in re.findall(r"(\w[\w-]*\.md)", entries["docs/"]):
         assert (ROOT / "docs" / doc).is_file(), doc
+
+
+def test_the_health_block_shows_the_schema_defaults():
+    import yaml
+
+    from zrl.config.schema import Health
+
+    block = re.search(r"```yaml\n(    evaluation: .*?    health: .*?)```", README, re.S).group(1)
+    shown = yaml.safe_load(block.replace("\n    ", "\n").strip())["health"]
+    defaults = Health().model_dump()
+    assert shown == {k: defaults[k] for k in shown}
