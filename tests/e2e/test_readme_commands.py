@@ -49,7 +49,8 @@ SETUP = re.compile(r"^[ \t]*python3 zrl/bootstrap\.py (run|test)\b.*$", re.M)
 # Two SFT steps leave a policy that never copies a word: RL keeps its zero-signal groups to take its 2 steps.
 STAND_IN = (".venv/bin/zrl run recipes/tiny-cpu.yaml --set output_dir=runs/tiny-cpu-$(date +%Y%m%d-%H%M%S) "
             "--set stages.sft_warm_start.steps=2 --set stages.copy_rl.steps=2 "
-            "--set stages.copy_rl.algorithm.dynamic_sampling=false")
+            "--set stages.copy_rl.algorithm.dynamic_sampling=false "
+            "--set stages.sft_warm_start.evaluation.prompts=0 --set 'stages.copy_rl.evaluation={}'")
 REQUIRED = ("ray start", "ray job submit", "zrl validate", "zrl envs", "zrl eval")
 FAILED = "README COMMAND FAILED"
 # Without `set -e`: a failed command is reported (exit status and the command) and the script goes on.
