@@ -15,6 +15,13 @@ Options:
   `text2sql`, the RLM envs, any env with skyrl-gym's Python or SQL tool) with skyrl-gym's own executors,
   on this machine, outside zrl's sandbox (zrl/sandbox.py). Default false: such an env is refused. When
   allowed, each such env is named in a warning once per process.
+- `demonstration`: a format string that makes a row's reference response for an `sft` stage (e.g.
+  `"#### {ground_truth}"`, or `"{extra_info[answer]}"` for SkyRL's GSM8K rows, whose solutions end with
+  `#### N`): its fields are the row's `ground_truth` (of `reward_spec`) and the row's own keys but `prompt`
+  and `env_class` (`extra_info`, `data_source`, ...). The demonstration is one assistant turn, the text
+  after `</think>` (the chat template opens the reasoning section). Every row is formatted once when the
+  environment is built, so a field a row lacks fails there, naming the row. Without it the environment has
+  no demonstrations.
 
 As in SkyRL's generator, an env gets `extras` = its row without `prompt` and `env_class`, plus
 `max_turns`; it is made once per episode and closed when the episode ends; the prompt the policy sees is
@@ -39,7 +46,7 @@ import skyrl_gym
 from omegaconf import OmegaConf
 from skyrl_gym.envs.registration import load_env_creator
 
-from zrl.env.base import in_split
+from zrl.env.base import THINK_END, in_split
 from zrl.env.episode import Episode, EpisodicEnvironment, Turn
 from zrl.env.registry import UnknownEnvironmentError, load_reference
 from zrl.types import Message, Prompt, Split
@@ -67,7 +74,7 @@ class SkyRLGym(EpisodicEnvironment):
 
     def __init__(self, data: str, env_class: str | None = None, eval_data: str | None = None,
                  env_config: Mapping | None = None, max_turns: int = 5, reward: str = "last",
-                 allow_unsandboxed_code: bool = False):
+                 allow_unsandboxed_code: bool = False, demonstration: str | None = None):
         if not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"max_turns: must be an integer >= 1, got {max_turns!r}")
         if reward not in ("last", "sum"):
@@ -76,6 +83,10 @@ class SkyRLGym(EpisodicEnvironment):
             raise ValueError(f"env_config: must be a mapping, got {env_config!r}")
         if not isinstance(allow_unsandboxed_code, bool):
             raise ValueError(f"allow_unsandboxed_code: must be true or false, got {allow_unsandboxed_code!r}")
+        if demonstration is not None and not isinstance(demonstration, str):
+            raise ValueError(f"demonstration: must be a format string such as '#### {{ground_truth}}', got "
+                             f"{demonstration!r}")
+        self.template = demonstration
         self.max_turns, self.reward, self.allow_unsandboxed_code = max_turns, reward, allow_unsandboxed_code
         self.env_config = OmegaConf.create(dict(env_config or {}))
         self.env_class = None if env_class is None else _registered(env_class, "env_class")
@@ -87,6 +98,14 @@ class SkyRLGym(EpisodicEnvironment):
             self.pools = {"train": rows, "eval": self._rows(eval_data, "eval_data")}
         for env_class in sorted({row["env_class"] for pool in self.pools.values() for row in pool}):
             self._check_code(env_class, skyrl_gym.registry[env_class].entry_point)
+        if self.template is not None:
+            for split, pool in self.pools.items():
+                for index, row in enumerate(pool):
+                    try:
+                        self._demonstrate(_extras(row))
+                    except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
+                        raise ValueError(f"demonstration: {self.template!r} cannot be formatted with {split} row "
+                                         f"{index} ({type(exc).__name__}: {exc})") from None
 
     def _rows(self, source: str, option: str) -> list[dict]:
         """The rows of `source`, each checked and with its env class resolved."""
@@ -111,7 +130,7 @@ class SkyRLGym(EpisodicEnvironment):
         prompts = []
         for index in range(n):
             row = rng.choice(pool)
-            extras = {k: v for k, v in row.items() if k not in ("prompt", "env_class")}
+            extras = _extras(row)
             env = self._make(row["env_class"], extras)
             try:
                 messages, _ = env.init(copy.deepcopy(row["prompt"]))
@@ -134,6 +153,14 @@ class SkyRLGym(EpisodicEnvironment):
             f"skyrl-gym env {env_class!r}: init gave a different prompt than when it was drawn (init must be "
             "deterministic)")
         return SkyRLEpisode(env, env_class, self.reward, error)
+
+    def demonstration(self, prompt: Prompt) -> str | None:
+        """The option `demonstration` formatted with the prompt's row, after `</think>`; None without it."""
+        return None if self.template is None else THINK_END + self._demonstrate(prompt.payload["extras"])
+
+    def _demonstrate(self, extras: Mapping) -> str:
+        ground_truth = (extras.get("reward_spec") or {}).get("ground_truth", "")
+        return self.template.format_map({**extras, "ground_truth": ground_truth})
 
     def verify(self, prompt: Prompt, response: str) -> float:
         """The env's reward for `response` as the episode's only policy message."""
@@ -189,6 +216,11 @@ class SkyRLEpisode(Episode):
         self.env.close()
 
 
+def _extras(row: Mapping) -> dict:
+    """What a row's env gets as `extras` (before `max_turns`): the row without `prompt` and `env_class`."""
+    return {k: v for k, v in row.items() if k not in ("prompt", "env_class")}
+
+
 def _registered(env_class: str, where: str) -> str:
     """`env_class` as a skyrl-gym registry id: a registered id, or a `module:Class` registered under itself."""
     with _REGISTER:
@@ -238,6 +270,8 @@ def _load_rows(source: str, option: str) -> list:
 
 _NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli")
 _ITEMS = ("apples", "books", "coins", "shells")
+_COUNT_NAMES = (*_NAMES, "Femi", "Gus", "Hana")
+_COUNT_ITEMS = (*_ITEMS, "pens", "cards")
 
 
 def arithmetic_rows() -> list[dict]:
@@ -255,3 +289,15 @@ def arithmetic_rows() -> list[dict]:
                              "prompt": [{"role": "user", "content": f"{question} End with #### and the number."}],
                              "reward_spec": {"method": "rule", "ground_truth": str(answer)}})
     return rows
+
+
+def count_rows() -> list[dict]:
+    """Questions for skyrl-gym's own `gsm8k_multi_turn` env whose answer the question states ("Ana has 7
+    apples. How many apples does Ana have?"): every count 1..20 of every item for every name, one row each, in
+    a fixed order (960 rows, ~190 held out by the prompt's hash). Copying the number in the `#### N` format is
+    within the tiny CPU model's reach after a short warm start (recipes/tiny-skyrl-gym-cpu.yaml)."""
+    return [{"data_source": "skyrl_count", "env_class": "gsm8k_multi_turn",
+             "prompt": [{"role": "user", "content": f"{name} has {count} {item}. How many {item} does {name} have? "
+                                                    "End with #### and the number."}],
+             "reward_spec": {"method": "rule", "ground_truth": str(count)}}
+            for name in _COUNT_NAMES for item in _COUNT_ITEMS for count in range(1, 21)]

@@ -1,6 +1,7 @@
 """The skyrl-gym adapter (environments/skyrl_gym_env.py): its options, its draws, episodes of skyrl-gym's own
 `gsm8k_multi_turn` env by hand and in the episode loop, a `module:Class` env, rewards outside [0, 1], and
-the refusal of envs that run the policy's code outside zrl's sandbox unless `allow_unsandboxed_code`."""
+the refusal of envs that run the policy's code outside zrl's sandbox unless `allow_unsandboxed_code`, and the
+`demonstration` option that feeds an sft stage."""
 
 import dataclasses
 import importlib.util
@@ -16,7 +17,7 @@ from skyrl_gym.envs.lcb.env import LCBEnv
 from skyrl_gym.tools import PythonCodeExecutorToolGroup
 
 from environments import skyrl_gym_env
-from environments.skyrl_gym_env import SkyRLGym, arithmetic_rows
+from environments.skyrl_gym_env import SkyRLGym, arithmetic_rows, count_rows
 from zrl.env.episode import Episode, Turn
 from zrl.types import Message
 
@@ -79,6 +80,8 @@ def closes(monkeypatch):
     ({"env_class": "environments.skyrl_gym_env:SkyRLGym"}, r"^env_class: .* is not a skyrl_gym.Env subclass"),
     ({"data": "rows.csv"}, r"^data: 'rows.csv' is neither a .jsonl/.parquet file nor a `module:function`"),
     ({"data": "environments.skyrl_gym_env:no_rows"}, r"^data: .* has no attribute 'no_rows'"),
+    ({"demonstration": ["#### {ground_truth}"]}, r"^demonstration: must be a format string"),
+    ({"demonstration": "{answer}"}, r"^demonstration: '\{answer\}' cannot be formatted with train row 0 \(KeyError"),
 ])
 def test_bad_options_fail_in_one_line_naming_the_option(options, error):
     with pytest.raises(ValueError, match=error):
@@ -115,6 +118,32 @@ def test_draws_are_deterministic_and_the_splits_disjoint(tmp_path):
     env = SkyRLGym(data=ROWS, eval_data=write_rows(tmp_path / "eval.jsonl", eval_rows))
     assert {p.messages[0].content for p in env.sample(30, seed=1, split="eval")} == {f"held out {i}" for i in range(3)}
     assert {p.messages for p in env.sample(2000, seed=0)} == every
+
+
+def test_demonstrations_are_the_option_formatted_with_the_row_after_think_end(tmp_path):
+    env = SkyRLGym(data="environments.skyrl_gym_env:count_rows", demonstration="#### {ground_truth}")
+    for prompt in env.sample(8, seed=0):
+        count = prompt.messages[0].content.split()[2]  # "<name> has <count> <items>. ..."
+        assert prompt.answer == count and env.demonstration(prompt) == f"</think>#### {count}"
+        assert env.verify(prompt, env.demonstration(prompt)) == 1.0  # what the env itself scores right
+    assert SkyRLGym(data=ROWS).demonstration(env.sample(1, seed=0)[0]) is None  # no option: no demonstrations
+    # The row's own keys are fields too (SkyRL's GSM8K rows carry the worked solution in extra_info).
+    rows = [{**scripted_row([1.0]), "extra_info": {"answer": "2 + 2 = 4\n#### 4"}}]
+    env = SkyRLGym(data=write_rows(tmp_path / "rows.jsonl", rows), demonstration="{extra_info[answer]}")
+    assert env.demonstration(env.sample(1, seed=0)[0]) == "</think>2 + 2 = 4\n#### 4"
+    with pytest.raises(ValueError, match=r"^demonstration: '\{extra_info\[solution\]\}' cannot be formatted with "
+                                         r"train row 0 \(KeyError: 'solution'\)"):
+        SkyRLGym(data=write_rows(tmp_path / "rows.jsonl", rows), demonstration="{extra_info[solution]}")
+
+
+def test_count_rows_state_their_answer_and_hold_out_enough_questions():
+    rows = count_rows()
+    assert len({row["prompt"][0]["content"] for row in rows}) == len(rows) == 960
+    for row in rows:
+        question, answer = row["prompt"][0]["content"], row["reward_spec"]["ground_truth"]
+        assert f" has {answer} " in question and question.endswith("End with #### and the number.")
+    env = SkyRLGym(data="environments.skyrl_gym_env:count_rows")
+    assert len(env.pools["eval"]) >= 150 and {row["env_class"] for row in rows} == {"gsm8k_multi_turn"}
 
 
 def test_parquet_and_jsonl_files_give_the_rows_a_function_gives(tmp_path):
