@@ -15,8 +15,8 @@ Signals (the stage's `health` block; a threshold of null turns its check off):
 - `canary`: the LZ77-flagged or gibberish fraction of the rollouts received since the previous row
   exceeds `max_canary_frac` (a policy falling into repetition: the LZ77 gate zeroes those rewards, so the
   trained batch's reward does not show it).
-- `mismatch`: the on-policy engine/trainer KL exceeds `max_mismatch_kl` (the engine samples from other
-  weights than the trainer trains).
+- `mismatch`: the on-policy engine/trainer KL exceeds `max_mismatch_kl` over at least MIN_MISMATCH_TOKENS
+  tokens (the engine samples from other weights than the trainer trains).
 - `grad_norm`: grad/norm_total exceeds `grad_norm_factor` x the median of the stage's earlier steps, from
   its `grad_norm_warmup_steps`-th step on.
 
@@ -48,6 +48,9 @@ from zrl.pipeline.held_out import POLICY_VERSION
 log = logging.getLogger("zrl")
 
 CANARIES = ("canary/lz77_flagged_fraction", "canary/gibberish_frac")
+# A k3 mean over fewer on-policy tokens is noise, not a band crossing (a collapsed policy scored 2 tokens at
+# 0.0225 in an fp32 run whose other steps measured ~3e-13).
+MIN_MISMATCH_TOKENS = 32
 ROLLBACK_SEED_STRIDE = 1_000_003  # a rolled-back stage's seed moves on by this (stage seeds differ by steps)
 
 
@@ -116,9 +119,9 @@ class HealthMonitor:
                 value = row.get(key)
                 if value is not None and value > h.max_canary_frac:
                     found["canary"] = f"{key} {value:.3f} > {h.max_canary_frac:g}"
-        kl = row.get("mismatch/onpolicy_kl_k3")
-        if h.max_mismatch_kl is not None and kl is not None and kl > h.max_mismatch_kl:
-            found["mismatch"] = f"mismatch/onpolicy_kl_k3 {kl:.3g} > {h.max_mismatch_kl:g}"
+        kl, tokens = row.get("mismatch/onpolicy_kl_k3"), row.get("mismatch/onpolicy_num_tokens", 0.0)
+        if h.max_mismatch_kl is not None and kl is not None and tokens >= MIN_MISMATCH_TOKENS and kl > h.max_mismatch_kl:
+            found["mismatch"] = f"mismatch/onpolicy_kl_k3 {kl:.3g} > {h.max_mismatch_kl:g} ({tokens:.0f} tokens)"
         norm = row.get("grad/norm_total")
         if h.grad_norm_factor is not None and norm is not None and math.isfinite(norm):
             if len(self._grad_norms) >= h.grad_norm_warmup_steps:

@@ -51,7 +51,7 @@ def test_standard_error_is_binomial():
 @pytest.mark.parametrize("row,signal", [
     ({"canary/lz77_flagged_fraction": 0.53}, "canary"),
     ({"canary/gibberish_frac": 0.3}, "canary"),
-    ({"mismatch/onpolicy_kl_k3": 0.05}, "mismatch"),
+    ({"mismatch/onpolicy_kl_k3": 0.05, "mismatch/onpolicy_num_tokens": 2048.0}, "mismatch"),
 ])
 def test_a_row_past_a_band_raises_its_signal(row, signal):
     m = monitor()
@@ -60,6 +60,12 @@ def test_a_row_past_a_band_raises_its_signal(row, signal):
     assert m.alarms[0].signal == signal and m.alarms[0].step == 242
     m.check(243, row)
     assert len(m.alarms) == 1  # reported at its onset only
+
+
+def test_a_mismatch_over_a_handful_of_tokens_is_not_a_band_crossing():
+    m = monitor()
+    assert m.check(241, {"mismatch/onpolicy_kl_k3": 0.0225, "mismatch/onpolicy_num_tokens": 2.0})["health/active"] == 0
+    assert m.check(242, {"mismatch/onpolicy_kl_k3": 0.0225, "mismatch/onpolicy_num_tokens": 32.0})["health/active"] == 1
 
 
 def test_grad_norm_spikes_count_after_the_warmup_steps():
