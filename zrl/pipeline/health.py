@@ -179,9 +179,12 @@ class HealthMonitor:
 
     def _raise(self, alarm: Alarm) -> None:
         self.alarms.append(alarm)
-        what = {"warn": "", "stop": "; the stage stops (health.on_alarm: stop)",
+        action = alarm.action
+        if action == "rollback" and self.rollbacks >= self.health.max_rollbacks:
+            action = "stop"
+        what = {"warn": "", "stop": f"; the stage stops (health.on_alarm: {alarm.action})",
                 "rollback": f"; rolling back to the newest checkpoint at or before step {self.good_step} "
-                            f"(health.on_alarm: rollback)"}[alarm.action]
+                            f"(health.on_alarm: rollback)"}[action]
         log.warning("stage %r step %d: ALARM %s: %s%s", alarm.stage, alarm.step, alarm.signal, alarm.message, what)
         if self.alarms_path is not None:
             with self.alarms_path.open("a") as f:

@@ -98,7 +98,7 @@ def test_warn_never_asks_to_stop_and_stop_asks_once_an_alarm_fired():
     assert type(stop) is StageStopped and str(stop).startswith("stage 'rl' stopped at step 242: canary:")
 
 
-def test_rollback_goes_to_the_last_healthy_step_and_to_before_a_bad_evaluation():
+def test_rollback_goes_to_the_last_healthy_step_and_to_before_a_bad_evaluation(caplog):
     m = monitor(on_alarm="rollback", max_rollbacks=1)
     m.check_evaluation(evaluated(240, 0.4))
     for step in range(241, 246):
@@ -118,6 +118,7 @@ def test_rollback_goes_to_the_last_healthy_step_and_to_before_a_bad_evaluation()
     used = HealthMonitor("rl", Health(on_alarm="rollback", max_rollbacks=1), eval_samples=80, start_version=240,
                          rollbacks=1)
     used.check(241, {"canary/gibberish_frac": 0.5})
+    assert "the stage stops (health.on_alarm: rollback)" in caplog.messages[-1]
     stop = used.stop_request()
     assert type(stop) is StageStopped and "health.max_rollbacks=1 used up" in str(stop)
 
