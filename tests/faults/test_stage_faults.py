@@ -138,9 +138,9 @@ def test_a_verifier_that_always_raises_stops_the_stage_with_the_reason(ray_sessi
                                         max_discarded_batches=3)
     assert int(re.search(r"the last (\d+) groups were all discarded", message)[1]) >= 12  # 3 batches of 4
     assert "ConnectionError: reward service unreachable" in message
-    # every rollout's verifier raised the same error: the driver's console shows it once
+    # every rollout's verifier raised the same error: the driver's console shows it once, under the entry's key
     shown = [r.getMessage() for r in caplog.records if r.getMessage().startswith("environment ")]
-    assert shown == ["environment 'fault_envs:AlwaysRaises': ConnectionError: reward service unreachable (the "
+    assert shown == ["environment 'always_raises': ConnectionError: reward service unreachable (the "
                      "rollout's reward is 0; each distinct error is shown once)"]
     assert rows_of(tmp_path) == []  # no step trained
     log.info("fault: verifier always raises | outcome: stopped after %.0f s: %s", seconds, message)
