@@ -58,3 +58,20 @@ def test_the_health_block_shows_the_schema_defaults():
     shown = yaml.safe_load(block.replace("\n    ", "\n").strip())["health"]
     defaults = Health().model_dump()
     assert shown == {k: defaults[k] for k in shown}
+
+
+def test_every_zrl_command_in_the_readme_parses():
+    """Commands in blocks the README-commands e2e test does not run (```sh: they need a long run first)
+    still name real subcommands and flags."""
+    import shlex
+
+    from zrl.cli import build_parser
+
+    blocks = "\n".join(re.findall(r"^```(?:bash|sh)\n(.*?)^```", README, re.S | re.M))
+    lines = [line.split(" #")[0] for line in re.findall(r"^(?:\.venv/bin/)?zrl [^\n]*$", blocks, re.M)]
+    assert len(lines) >= 10
+    for line in lines:
+        args = shlex.split(line.replace("$RUN", "runs/x").replace("$JOB_RUN", "runs/x"))[1:]
+        if not args or args[0].startswith("-"):
+            continue
+        build_parser().parse_args(args)
