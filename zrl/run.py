@@ -196,7 +196,9 @@ def connect_ray(address: str | None):
         ray.init(address=address, log_to_driver=True)
     else:
         log.info("ray: starting an embedded instance")
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
+        # address="local": a new instance even when a `ray start` cluster runs on this machine (without it
+        # ray.init joins that cluster, and refuses num_cpus there).
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
     return ray
 
 

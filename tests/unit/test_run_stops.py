@@ -121,3 +121,13 @@ def test_a_rollback_resumes_from_the_newest_checkpoint_at_or_before_the_healthy_
         path.rmdir()
     assert run_module._run(recipe, None, None, RESUME) == 1
     assert "(no checkpoint at or before step 1 to roll back to)" in stop_lines(caplog)[-1]
+
+
+def test_an_embedded_ray_is_its_own_instance_even_beside_a_running_cluster(monkeypatch):
+    import ray
+
+    calls = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    run_module.connect_ray(None)
+    assert calls[0].get("address") == "local" and calls[0]["num_cpus"] >= 1, calls
