@@ -97,7 +97,6 @@ class HealthMonitor:
         `rollbacks`: rollbacks the stage made already."""
         self.stage, self.health, self.eval_samples = stage_name, health, eval_samples
         self.alarms_path = None if alarms_path is None else Path(alarms_path)
-        self.start_version = start_version
         self.baseline: dict[str, float] = dict(baseline or {})
         self.rollbacks = rollbacks
         self.alarms: list[Alarm] = []
