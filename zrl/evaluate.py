@@ -32,8 +32,8 @@ from pathlib import Path
 from zrl.config.schema import EnvironmentSpec, RewardModelSpec
 from zrl.env import safe_verify, safe_verify_group, verifies_groups
 from zrl.env.episode import EpisodicEnvironment
-from zrl.pipeline.env_errors import EnvErrorLog
-from zrl.pipeline.episodes import episode_verification, run_episodes
+from zrl.env.episodes import episode_verification, run_episodes
+from zrl.env.errors import EnvErrorLog
 from zrl.prompts import build_environment
 from zrl.types import Split
 

@@ -114,7 +114,7 @@ def batch_metrics(batch: TrainBatch, max_staleness_steps: int) -> dict[str, floa
     - `staleness/mean|max` (trainer steps) and `staleness/<k>`: rollouts of staleness k, k = 0..bound;
     - `lengths/response_mean|p50|p90|max` (tokens) and `lengths/truncated_frac`: the fraction of
       responses that hit max_response_tokens (finish reason "length");
-    - multi-turn episodes (zrl.pipeline.episodes.episode_verification): `episodes/turns_mean` (policy
+    - multi-turn episodes (zrl.env.episodes.episode_verification): `episodes/turns_mean` (policy
       messages), `episodes/tool_calls_mean`, `episodes/used_tools_frac` (episodes with a tool call),
       `episodes/tool_error_frac` (failed calls over calls); their end reasons are the `verify/` reasons.
     """

@@ -321,7 +321,7 @@ class RewardModelPool:
         import ray
         from ray.exceptions import RayActorError
 
-        from zrl.pipeline.pools import light_actor
+        from zrl.runtime_env import light_actor
 
         spec = local_spec(self.spec)  # here, once: actors building or downloading it side by side would race
         r = self.resources

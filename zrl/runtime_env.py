@@ -57,6 +57,17 @@ def actor_env(cpus: float) -> dict[str, str]:
     return env
 
 
+def light_actor(cls, *args, max_restarts: int = 0, num_cpus: float = 0, num_gpus: float = 0,
+                name: str | None = None, **kwargs):
+    """An actor of the plain class `cls` outside the placement groups (buffer, verifiers, reward models),
+    holding `num_cpus` and `num_gpus` (none by default) with `actor_env`'s environment; `name` makes it
+    findable with ray.get_actor."""
+    import ray
+
+    return ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts, name=name,
+                                   runtime_env={"env_vars": actor_env(num_cpus)}).remote(*args, **kwargs)
+
+
 def engine_log_handler(directory: str) -> logging.Handler:
     """This process's engine log file (vLLM's dictConfig calls it by name: this module stays light to import)."""
     Path(directory).mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from e2e_testlib import kill_marked, read_rows, run_zrl, wait_until_gone, write_recipe, zrl_env
 
-from zrl.pipeline.episodes import END_REASONS
+from zrl.env.episodes import END_REASONS
 from zrl.run_dir import RunDir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -4,7 +4,7 @@ An `EpisodicEnvironment` is an `Environment` that opens one `Episode` per sample
 policy's message goes to `Episode.step(text)`, which returns a `Turn`: the environment's reply as chat
 messages (a tool's output, a user simulator's message, feedback), whether the episode is over, and the
 reward when it is (a turn may carry one earlier; the episode's reward is the last one given). The loop
-that drives episodes on a rollout engine is zrl/pipeline/episodes.py; it ends an episode itself at the
+that drives episodes on a rollout engine is zrl/env/episodes.py; it ends an episode itself at the
 environment's `max_turns`, at the response token budget or at the context length, with the reason recorded.
 
 The single-turn `Environment` is unchanged: an episodic environment is the one that overrides `episode`.

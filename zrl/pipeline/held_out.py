@@ -60,7 +60,7 @@ def in_training_requests(stage: RLStage) -> list[tuple[str, EvalRequest]]:
     return [(k, r) for k, r in requests if k not in scored]
 
 
-# episode metadata (zrl.pipeline.episodes.episode_verification) -> its held-out metric
+# episode metadata (zrl.env.episodes.episode_verification) -> its held-out metric
 EPISODE_METRICS = {"turns": "turns_mean", "tool_calls": "tool_calls_mean", "used_tools": "used_tools_frac"}
 
 

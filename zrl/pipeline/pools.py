@@ -3,7 +3,7 @@
 The rollout pool and the trainer pool are two placement groups, so their resources are disjoint by
 construction (fractional CPUs on a laptop, whole GPUs on a cluster; counts from `recipe.resources`).
 The buffer and the verifiers take no reserved resources: they are light and must never wait for a
-bundle. Every actor gets the project's environment variables (vLLM in-process engine, compile caches,
+bundle (zrl.runtime_env.light_actor). Every actor gets the project's environment variables (vLLM in-process engine, compile caches,
 offline wandb/hub) explicitly, so the same code works embedded and under `ray job submit`.
 """
 
@@ -67,14 +67,6 @@ def reserve_pools(resources: Resources) -> tuple[Pool, Pool]:
              r.rollout_workers, r.cpus_per_rollout_worker, r.gpus_per_rollout_worker,
              r.trainer_workers, r.cpus_per_trainer_worker, r.gpus_per_trainer_worker)
     return rollout, trainer
-
-
-def light_actor(cls, *args, max_restarts: int = 0, num_cpus: float = 0, num_gpus: float = 0,
-                name: str | None = None, **kwargs):
-    """An actor outside the placement groups (buffer, verifiers, reward models), holding `num_cpus` and
-    `num_gpus` (none by default); `name` makes it findable with ray.get_actor."""
-    return ray.remote(cls).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts, name=name,
-                                   runtime_env={"env_vars": actor_env(num_cpus)}).remote(*args, **kwargs)
 
 
 def release(pool: Pool) -> None:

@@ -43,7 +43,7 @@ from zrl.pipeline.faults import (RANK_FAILURE_GRACE_S, ProgressWatchdog, StageSt
                                  raise_if_stop_requested, reason_of, trainer_results)
 from zrl.pipeline.health import HealthMonitor, baseline_from_metrics
 from zrl.pipeline.held_out import InTrainingEvaluations
-from zrl.pipeline.pools import Pool, light_actor
+from zrl.pipeline.pools import Pool
 from zrl.pipeline.rollout_worker import RolloutWorker
 from zrl.pipeline.schedule import (AskBatch, AskCredit, BatchAnswer, CreditAnswer, LaunchRound, Request, RoundDone,
                                    StageSchedule, StartSync, StepDone, WorkerLost, WorkerSynced)
@@ -58,6 +58,7 @@ from zrl.pipeline.verifier_pool import VerifierPool
 from zrl.pipeline.worker_restarts import WorkerRestarts
 from zrl.prompts import build_entries
 from zrl.run_dir import RunDir
+from zrl.runtime_env import light_actor
 
 log = logging.getLogger("zrl")
 

@@ -28,7 +28,7 @@ takes one streamed sync and loads it in place as it arrives (zrl.pipeline.weight
 `update_weights` is the fallback that loads a whole state dict (or a reference to one).
 
 Multi-turn environments (zrl.env.episode.EpisodicEnvironment): each of a group's G samples is an episode
-that the worker's `EpisodeRunner` (zrl/pipeline/episodes.py) drives on the same engine, beside the
+that the worker's `EpisodeRunner` (zrl/env/episodes.py) drives on the same engine, beside the
 single-turn groups; its turns batch with everything else, its environment steps run on the runner's
 threads. The group is reported when its G episodes ended; the episodes' own rewards travel in its
 `GroupText` (`verifications`), so the verifier does not score them again.
@@ -54,10 +54,11 @@ from zrl.canaries import gibberish_fraction, rare_token_fractions
 from zrl.config.schema import RLStage
 from zrl.env.chat import ChatContinuation
 from zrl.env.episode import EpisodicEnvironment
+from zrl.env.episodes import EpisodeOutput, EpisodeRunner, episode_verification
+from zrl.env.errors import EnvErrorLog
+from zrl.host_memory import HostPeakMemory
 from zrl.models import family_of_checkpoint
-from zrl.pipeline.env_errors import EnvErrorLog
-from zrl.pipeline.episodes import EpisodeOutput, EpisodeRunner, episode_verification
-from zrl.pipeline.weight_sync import HostPeakMemory, SyncAddress, SyncGroup, drain
+from zrl.pipeline.weight_sync import SyncAddress, SyncGroup, drain
 from zrl.prompts import Assignment, PromptSource, build_entries
 from zrl.types import Prompt, Rollout, Verification, rollout_array_bytes, stream_group_id
 

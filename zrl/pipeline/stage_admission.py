@@ -7,7 +7,7 @@ was handed on (`GroupHandedOn`, lost when its rollout worker died with its array
 (`GroupAdmitted`). Verifier faults cost rewards, not groups: a verify call whose verifier was restarted
 under it is tried once more elsewhere, then its responses get reward 0 ("verifier died"); a call past
 the pool's backstop gets reward 0 ("timeout after ... s"). The first occurrence of each distinct error
-an entry's verifications carry is a console warning (zrl/pipeline/env_errors.py).
+an entry's verifications carry is a console warning (zrl/env/errors.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 
 from ray.exceptions import RayActorError, RayError
 
-from zrl.pipeline.env_errors import EnvErrorLog
+from zrl.env.errors import EnvErrorLog
 from zrl.pipeline.faults import ProgressWatchdog
 from zrl.pipeline.rollout_worker import GroupTicket
 from zrl.pipeline.schedule import GroupAdmitted, GroupHandedOn, StageSchedule

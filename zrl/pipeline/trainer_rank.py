@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from zrl.pipeline.weight_sync import (HostPeakMemory, SyncAddress, SyncGroup, SyncHeader, TensorSpec, bucket_layout,
-                                      drain)
+from zrl.host_memory import HostPeakMemory
+from zrl.pipeline.weight_sync import SyncAddress, SyncGroup, SyncHeader, TensorSpec, bucket_layout, drain
 from zrl.trainer.settings import DTYPES
 from zrl.types import RankShare
 

@@ -16,9 +16,9 @@ import time
 
 import ray
 
-from zrl.pipeline.pools import light_actor
 from zrl.pipeline.stage_calls import VerifyCall
 from zrl.pipeline.verifier import MAX_HUNG_THREADS, Verifier
+from zrl.runtime_env import light_actor
 
 log = logging.getLogger("zrl")
 

@@ -16,7 +16,7 @@ alive). Extra memory per sync, beyond the model: sender <= one bucket + the para
 receiver <= one bucket + the tensor being handed over + what the engine's loader holds (vLLM's
 layer-wise reload materialises one decoder layer at a time, and on CPU the MoE kernels repack its
 experts: about two layers). Both return freed heap memory to the OS between buckets, the receiver's
-engine also between decoder layers (`release_host_memory`), so what a process holds is what is live.
+engine also between decoder layers (zrl.host_memory), so what a process holds is what is live.
 A tensor larger than the bucket size travels in a bucket of its own.
 
 Rendezvous: the sender listens on the host it is given (loopback when the whole run is one machine,
@@ -25,7 +25,6 @@ so nothing listens on other interfaces; the node's address on a cluster) on a po
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import pickle
 import socket
@@ -35,14 +34,11 @@ from datetime import timedelta
 
 import torch
 
+from zrl.host_memory import release_host_memory
+
 logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 16
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-    _LIBC.malloc_trim  # noqa: B018  (glibc only)
-except (OSError, AttributeError):
-    _LIBC = None
 
 
 def _aligned(nbytes: int) -> int:
@@ -207,52 +203,7 @@ class SyncGroup:
         return header if self.rank == 0 else pickle.loads(data.cpu().numpy().tobytes())
 
 
-def release_host_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc's malloc_trim; a no-op elsewhere).
-
-    Between buckets the loader has freed what it copied, but glibc keeps freed chunks it cannot reuse
-    for the next, differently sized allocations, and the process would grow by about the model's size
-    over one sync although it never holds more than a bucket or two: trimming keeps its footprint to
-    what is live.
-    """
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
 def drain(tensors: Iterator) -> None:
     """Finish a receive whose consumer stopped early, so the sender's broadcasts all complete."""
     for _ in tensors:
         pass
-
-
-class HostPeakMemory:
-    """Peak resident memory of this process above its level at entry, over a `with` block (Linux).
-
-    Resets the kernel's high-water mark (writing 5 to /proc/self/clear_refs) on entry and reads it
-    (VmHWM) on exit; `peak_extra_bytes` is -1 where the kernel does not offer this. Freed heap memory
-    is returned to the OS first: otherwise how much of the block's allocations reuse memory the heap
-    still held at entry (invisible to VmRSS) varies from call to call, and so would the peak.
-    """
-
-    def __enter__(self) -> "HostPeakMemory":
-        self.peak_extra_bytes = -1
-        release_host_memory()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self._start = _status_bytes("VmRSS")
-        except OSError:
-            self._start = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._start is not None:
-            self.peak_extra_bytes = max(0, _status_bytes("VmHWM") - self._start)
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024  # reported in kB
-    raise OSError(f"/proc/self/status has no {field}")

@@ -148,7 +148,7 @@ def test_a_killed_actor_fails_its_call_and_ray_restarts_it(pool):
 def test_vllm_pooling_runner_scores_like_transformers(pool):
     import ray
 
-    from zrl.pipeline.pools import light_actor
+    from zrl.runtime_env import light_actor
     from zrl.reward_model import RewardModelWorker
 
     batch = conversations(32, seed="vllm")

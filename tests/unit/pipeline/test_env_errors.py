@@ -1,4 +1,4 @@
-"""An environment's errors reach the console once per distinct message (zrl/pipeline/env_errors.py) and
+"""An environment's errors reach the console once per distinct message (zrl/env/errors.py) and
 travel with the rollout: an episode whose environment raises, through the verifier, to the stage loop's
 admission (in-process, with stand-ins for the Ray parts), which shows the message once however many
 groups carry it and hands every verification, error included, to the buffer; and through an evaluation's
@@ -13,8 +13,8 @@ from serving.engine import SamplingConfig
 from zrl.config.schema import EnvironmentSpec
 from zrl.env.episode import Episode, EpisodicEnvironment, Turn
 from zrl.evaluate import EvalRequest, score
-from zrl.pipeline.env_errors import MAX_SHOWN_PER_ENTRY, EnvErrorLog
-from zrl.pipeline.episodes import EpisodeRunner, episode_verification
+from zrl.env.errors import MAX_SHOWN_PER_ENTRY, EnvErrorLog
+from zrl.env.episodes import EpisodeRunner, episode_verification
 from zrl.pipeline.faults import ProgressWatchdog
 from zrl.pipeline.rollout_worker import GroupText, GroupTicket
 from zrl.pipeline.stage_admission import StageAdmission

@@ -1,4 +1,4 @@
-"""The multi-turn episode loop (zrl/pipeline/episodes.py) on a stand-in engine: masks, logprobs, routing
+"""The multi-turn episode loop (zrl/env/episodes.py) on a stand-in engine: masks, logprobs, routing
 provenance, versions across weight syncs, turn/token/context limits, tool errors and failing environments."""
 
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ import pytest
 
 from serving.engine import FinishedSample, SampleOutput, SamplingConfig, VersionSegment
 from zrl.env.episode import Episode, Turn
-from zrl.pipeline.episodes import EpisodeRunner
+from zrl.env.episodes import EpisodeRunner
 from zrl.types import NO_ROUTE
 
 L = 2

@@ -11,7 +11,7 @@ import numpy as np
 from zrl.config import parse_recipe
 from zrl.env import Environment
 from zrl.env.episode import Episode, EpisodicEnvironment, Turn
-from zrl.pipeline.episodes import EpisodeRunner
+from zrl.env.episodes import EpisodeRunner
 from zrl.pipeline.held_out import held_out_requests
 from zrl.pipeline.rollout_worker import RolloutWorker, _Open
 from zrl.types import Message, Prompt
