@@ -12,7 +12,7 @@ On one H100/H200 in about 6 minutes it writes bench/results/<gpu>-<date>.md and 
              piece vs the library op (experts: torch._grouped_mm), fwd and fwd+bwd: ms, TFLOP/s and the
              share of a dense [T, D] x [D, 2F] GEMM timed in the same part (bench/moepp_kernels.py's
              groups; FLOPs from bench/moepp_kernels_work.py)
-  gpu_tests  `pytest -m gpu zrl/moepp/kernels`: counts and each failure's first line
+  gpu_tests  `pytest -m gpu zrl/modeling/kernels zrl/moepp/kernels`: counts and each failure's first line
 The report (summary, goals, Markdown) is gpu_probe_report.py. Each part runs in its own Python process
 under a time limit: a CUDA error or a hang ends that part
 only, what it measured before is kept, and time a part leaves unused goes to the later ones. In the
@@ -160,7 +160,7 @@ def part_env(args: argparse.Namespace, emit: Rows) -> None:
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = None
     try:
-        from zrl.moepp import kernels
+        from zrl.modeling import kernels
         auto = dict(getattr(kernels, "AUTO_ON_CUDA", {}))  # what "auto" runs per op on CUDA, where recorded
     except Exception as exc:  # noqa: BLE001 - the probe reports what it cannot import
         auto = {"error": f"{type(exc).__name__}: {exc}"}
@@ -201,11 +201,11 @@ def median_seconds(call: Callable[[], object], cuda: bool, iters: int = TIMED_CA
 
 
 def attention_groups(ctx, tokens: int) -> list:
-    """zrl's causal attention (zrl.moepp.attention.causal_attention) on the packed layout, under each
+    """zrl's causal attention (zrl.modeling.attention.causal_attention) on the packed layout, under each
     backend the group times: ragged documents (what the trainer sees) and equal ones (one SDPA batch)."""
     import moepp_kernels as mk
-    from zrl.moepp.attention import causal_attention
-    from zrl.moepp.packing import build_layout
+    from zrl.modeling.attention import causal_attention
+    from zrl.modeling.packing import build_layout
 
     s, groups = ctx.shape, []
     q, k, v = ctx.leaf(tokens, s.Hq, s.d), ctx.leaf(tokens, s.Hk, s.d), ctx.leaf(tokens, s.Hk, s.d)
@@ -311,6 +311,7 @@ def batch_work(batch, num_layers: int, num_experts: int) -> tuple[list[int], lis
 
 def part_trainer(args: argparse.Namespace, emit: Rows) -> None:
     from zrl.config.schema import Algorithm, MuonSpec, Optimizer
+    from zrl.models import get_family
     from zrl.moepp import MoEPPForCausalLM
     from zrl.moepp.checkpoint import save_hf_checkpoint
     from zrl.trainer import Rendezvous, TrainerSettings, TrainerWorker
@@ -346,6 +347,7 @@ def part_trainer(args: argparse.Namespace, emit: Rows) -> None:
              load_s=time.perf_counter() - built, dtype=str(dtype), kernels=settings.kernels,
              checkpointing=settings.activation_checkpointing)
         spec = SMOKE_BATCH if args.smoke else BATCH
+        model_shape = get_family(config.model_type).shape(config)
         try:
             last = None
             for step in range(args.steps + 1):  # step 0 is the warm-up: compilation, allocator growth
@@ -353,16 +355,14 @@ def part_trainer(args: argparse.Namespace, emit: Rows) -> None:
                 if step >= 2 and time.time() + 3 * last > args.deadline:
                     emit("note", text=f"stopped after {step} steps: the part's time is running out")
                     break
-                batch = synthetic_train_batch(vocab_size=config.vocab_size, num_layers=layers,
-                                              num_experts=config.num_experts, trainer_step=worker.version,
-                                              seed=step, **spec)
+                batch = synthetic_train_batch(vocab_size=config.vocab_size, shape=model_shape,
+                                              trainer_step=worker.version, seed=step, **spec)
                 metrics = worker.train_step(worker.share_of(batch))
                 last = metrics["perf/step_s"]
                 emit("trainer_step", **step_row(step, batch, metrics, shape, layers))
             if last is not None and time.time() + 2 * last < args.deadline:
-                batch = synthetic_train_batch(vocab_size=config.vocab_size, num_layers=layers,
-                                              num_experts=config.num_experts, trainer_step=worker.version,
-                                              seed=1000, **spec)
+                batch = synthetic_train_batch(vocab_size=config.vocab_size, shape=model_shape,
+                                              trainer_step=worker.version, seed=1000, **spec)
                 profile_step(worker, batch, cuda, emit)
             else:
                 emit("note", text="no profiled step: the part's time is running out")
@@ -403,7 +403,7 @@ def gpu_tests_command(xml: Path) -> list[str]:
     # In 8 processes where pytest-xdist is installed: one process compiled 29 of the ~170 tests' kernels in
     # 74 s (H200, 2026-11-27); the GPU has room for eight.
     workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []
-    return [sys.executable, "-m", "pytest", "-m", "gpu", "zrl/moepp/kernels", "-q", "-p", "no:cacheprovider",
+    return [sys.executable, "-m", "pytest", "-m", "gpu", "zrl/modeling/kernels", "zrl/moepp/kernels", "-q", "-p", "no:cacheprovider",
             *workers, f"--junitxml={xml}"]
 
 

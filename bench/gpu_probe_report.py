@@ -10,7 +10,7 @@ import statistics
 
 from roofline import MFU_GOAL, _num, _pct
 
-from zrl.moepp.kernels import AUTO_ON_CUDA
+from zrl.modeling.kernels import AUTO_ON_CUDA
 
 GEMM_GOAL = 0.70
 # The fp32-level LM head does 12 bf16 GEMM-equivalents forward + backward where transformers' bf16 head
@@ -143,7 +143,7 @@ def render(s: dict, parts: list[PartResult], meta: dict) -> str:
     for tokens in sorted({r["tokens"] for r in s["kernels"]}):
         lines += render_kernels(s, tokens)
     t = s["gpu_tests"]
-    lines += ["", "## `pytest -m gpu zrl/moepp/kernels`", ""]
+    lines += ["", "## `pytest -m gpu zrl/modeling/kernels zrl/moepp/kernels`", ""]
     if t and "tests" in t:
         lines.append(f"{t['passed']} passed, {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped.")
         for f in t["failed"]:

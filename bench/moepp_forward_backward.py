@@ -19,8 +19,8 @@ import time
 import torch
 from transformers import ZayaConfig, ZayaForCausalLM
 
-from zrl.moepp.checkpoint import from_hf_name
 from zrl.moepp.config import MoEPPConfig
+from zrl.moepp.family import MoEPPFamily
 from zrl.moepp.model import MoEPPForCausalLM
 
 # name -> (transformers config, (B, S), iteration multiplier: tiny steps are short and noisier)
@@ -45,7 +45,7 @@ def build(hf_kwargs: dict) -> tuple[ZayaForCausalLM, MoEPPForCausalLM]:
         for key, tensor in ref.state_dict().items():
             if "rotary_emb" in key or (key == "lm_head.weight" and ours.lm_head is None):
                 continue
-            state[from_hf_name(key)].copy_(tensor)
+            state[MoEPPFamily.hf_names.param_name(key)].copy_(tensor)
     return ref, ours
 
 

@@ -1,9 +1,9 @@
 """Per-kernel and whole-layer time of the MoE++ kernels: Triton vs PyTorch reference vs transformers.
 
-Every kernel of zrl/moepp/kernels/ (experts, router, residual_norm, cca, lm_logprobs) and zrl's
+Every kernel of zrl/modeling/kernels/ (experts, residual_norm, lm_logprobs) and zrl/moepp/kernels/ (router, cca) and zrl's
 DecoderLayer run on the ZAYA1-8B layer shape (D 2048, E 16 experts + skip, F 2048, 8/2 heads x 128,
 router latent R 256, V 262,272) against, in the same run and with the same weights:
-  reference     the PyTorch reference of the same op (zrl.moepp.kernels.use_backend("reference"))
+  reference     the PyTorch reference of the same op (zrl.modeling.kernels.use_backend("reference"))
   triton        the fused Triton kernel (CUDA only: the CPU interpreter runs each program instance in
                 Python, far too slow to time; on CPU it is skipped unless asked for under TRITON_INTERPRET=1)
   transformers  the same piece of transformers' ZayaForCausalLM (ZayaExperts, ZayaRouter,
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/...` from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its work formulas, beside it
 
-from zrl.moepp.kernels import interpreting, triton_available, use_backend  # noqa: E402
+from zrl.modeling.kernels import interpreting, triton_available, use_backend  # noqa: E402
 from moepp_kernels_work import (FULL, SMALL, Shape, Work, cca_work, dense_gemm_flops,  # noqa: E402
                                 device_peaks, doc_lengths, experts_work, layer_flops, lm_logprobs_work,
                                 residual_norm_work, router_work)
@@ -187,7 +187,8 @@ class Group:
 
 def _op(kernel: str, name: str) -> Callable | None:
     try:
-        module = __import__(f"zrl.moepp.kernels.{kernel}", fromlist=[name])
+        package = "zrl.moepp.kernels" if kernel in ("cca", "router") else "zrl.modeling.kernels"
+        module = __import__(f"{package}.{kernel}", fromlist=[name])
         return getattr(module, name)
     except (ImportError, AttributeError) as exc:
         print(f"# {kernel}: op {name} not available ({exc}); its zrl rows are skipped")
@@ -302,8 +303,8 @@ def residual_norm_groups(ctx: Ctx, tokens: int) -> list[Group]:
 
 
 def cca_groups(ctx: Ctx, tokens: int) -> list[Group]:
-    from zrl.moepp.attention import rope_cos_sin
-    from zrl.moepp.packing import build_layout
+    from zrl.modeling.rope import rope_cos_sin
+    from zrl.modeling.packing import build_layout
 
     s, cfg = ctx.shape, ctx.shape.config()
     lens = doc_lengths(tokens, ctx.doc_len, ragged=True)
@@ -364,7 +365,7 @@ def lm_logprobs_groups(ctx: Ctx, tokens: int) -> list[Group]:
     leaves = [hidden, weight]
     impls = _backends(ctx, _op("lm_logprobs", "token_logprobs"), lambda op: op(hidden, weight, targets)[0], leaves)
     if "library" in ctx.impls:
-        from zrl.moepp.kernels.lm_logprobs.library import token_logprobs_library
+        from zrl.modeling.kernels.lm_logprobs.library import token_logprobs_library
 
         impls.append(Impl("library", lambda: token_logprobs_library(hidden, weight, targets, chunk_tokens=None,
                                                                     with_entropy=False)[0], leaves))
@@ -400,9 +401,9 @@ def _init_layer(layer: torch.nn.Module) -> None:
 
 
 def layer_groups(ctx: Ctx, tokens: int) -> list[Group]:
-    from zrl.moepp.attention import rope_cos_sin
+    from zrl.modeling.rope import rope_cos_sin
     from zrl.moepp.model import DecoderLayer
-    from zrl.moepp.packing import build_layout
+    from zrl.modeling.packing import build_layout
 
     s, cfg = ctx.shape, ctx.shape.config()
     layer = DecoderLayer(cfg, 1)

@@ -197,7 +197,7 @@ def attention_work(s: Shape, doc_lens: Sequence[int], act: int) -> Work:
 
 FLASH_BWD_EXECUTED = 1.25  # a flash attention backward runs 5 [S, S] products to the forward's 2: 2.5x, not 2x
 
-# The LM head as CUDA runs it (zrl/moepp/kernels/lm_logprobs/library.py), in bf16 GEMM-equivalents of
+# The LM head as CUDA runs it (zrl/modeling/kernels/lm_logprobs/library.py), in bf16 GEMM-equivalents of
 # 2 T V D: the fp32 hidden state split into three exact bf16 parts, so one fp32-accurate product with the
 # bf16 weight costs 3. Forward 3; backward 9: the logits recomputed (3), dh = G W with G in three parts
 # (3), dW = G^T h with two parts of each, first-order terms (3, one GEMM of K = 3c).
@@ -257,7 +257,8 @@ def model_step_flops(s: Shape, layers: int, doc_lens: Sequence[int], routed: Seq
 def optimizer_shapes(config: MoEPPConfig) -> tuple[list[tuple[int, ...]], int]:
     """(shapes of the Muon matrices, number of AdamW parameters) of the model built from `config`
     (on the meta device: no memory), grouped as the trainer groups them."""
-    from zrl.moepp import MoEPPForCausalLM, optimizer_param_groups
+    from zrl.modeling.params import optimizer_param_groups
+    from zrl.moepp import MoEPPForCausalLM
 
     with torch.device("meta"):
         groups = optimizer_param_groups(MoEPPForCausalLM(config))

@@ -26,6 +26,7 @@ from zrl.config.schema import Algorithm, MuonSpec, Optimizer
 from zrl.trainer import Rendezvous, TrainerSettings, TrainerWorker
 from zrl.trainer.batch import Microbatch, input_length, pack_rollouts
 from zrl.trainer.loss import rl_microbatch_loss
+from zrl.models import get_family
 from zrl.trainer.synthetic import synthetic_train_batch
 
 CONFIGS = {
@@ -48,8 +49,8 @@ def parse() -> argparse.Namespace:
 
 def heavy_tailed_batch(model_config, args, trainer_step: int, seed: int):
     """Responses of 8..512 tokens, log-uniform: most short, a few long (what padding pays for)."""
-    batch = synthetic_train_batch(vocab_size=model_config.vocab_size, num_layers=model_config.num_hidden_layers,
-                                  num_experts=model_config.num_experts, num_groups=args.groups,
+    batch = synthetic_train_batch(vocab_size=model_config.vocab_size,
+                                  shape=get_family(model_config.model_type).shape(model_config), num_groups=args.groups,
                                   group_size=args.group_size, prompt_tokens=(16, 64), response_tokens=(1, 1),
                                   trainer_step=trainer_step, seed=seed)
     rng = np.random.default_rng(seed)

@@ -38,7 +38,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from zrl.moepp.precision import Fp32Op, to_op_dtype
+from zrl.modeling.precision import Fp32Op, to_op_dtype
 
 
 def request_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ version of every generated token. Served models, by config.json's `model_type` (
 
 The logprobs are vLLM's "processed_logprobs", always: each token's log-probability under the
 distribution it was actually sampled from (temperature, then min-p, top-k, top-p). The trainer takes
-its logprobs under the same distribution (zrl.moepp.logprobs, `SamplingDistribution`), which is what
+its logprobs under the same distribution (zrl.modeling.logprobs, `SamplingDistribution`), which is what
 makes the two comparable; a temperature in (0, 0.01), which vLLM would silently raise to 0.01, is
 refused for that reason.
 

@@ -2,8 +2,8 @@
 
 Everything model-specific of serving is here: how a forward's routing is read (the capture class of the
 kind the model contract's family names, `zrl.models.ModelFamily.routing_capture`), how
-many columns a routing row has, which HF tensors make a complete weight update, and what must be
-rebuilt after one. The engine (engine.py) and the worker extension (worker_ext.py) look a model up by
+many columns a routing row has (the family's shape), which HF tensors make a complete weight update
+(the family's declared HF names, `ModelFamily.hf_checkpoint_keys`), and what must be rebuilt after one. The engine (engine.py) and the worker extension (worker_ext.py) look a model up by
 `served_model(model_type)` and are otherwise model-agnostic.
 
 - `zaya` (ZAYA1 MoE++, serving/zaya_vllm.py, registered by plugin.py): top-1 with a skip class; the
@@ -19,12 +19,13 @@ Shapes: T tokens of an engine step, L decoder layers, k experts per token, E exp
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from zrl.models import ROUTING_CAPTURE_MODEL_FORWARD, ROUTING_CAPTURE_ROUTER_HOOK, get_family
+from zrl.models import ROUTING_CAPTURE_MODEL_FORWARD, ROUTING_CAPTURE_ROUTER_HOOK, ModelShape, get_family
 from zrl.types import NO_ROUTE
 
 
@@ -54,12 +55,12 @@ class RouterCapture:
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
-        config = model.config  # the HF config
-        self.top_k = config.num_experts_per_tok
-        if config.num_experts > NO_ROUTE:
+        shape = served_shape(model)
+        self.top_k = shape.experts_per_token
+        if shape.num_experts > NO_ROUTE:
             raise ValueError(f"num_experts: routing records are uint8 with {NO_ROUTE} = no record, so at most "
-                             f"{NO_ROUTE} experts, got {config.num_experts}")
-        self.width = config.num_hidden_layers * self.top_k
+                             f"{NO_ROUTE} experts, got {shape.num_experts}")
+        self.width = shape.routing_width
         device = next(model.parameters()).device
         self.buffer = torch.full((max_tokens, self.width), NO_ROUTE, dtype=torch.uint8, device=device)  # [T, L*k]
         self._recording = False
@@ -92,25 +93,31 @@ class RouterCapture:
         return self.buffer[:num_tokens]
 
 
-def _zaya_checkpoint_keys(model: nn.Module) -> frozenset[str]:
-    return model.checkpoint_keys()
+def served_config(model: nn.Module):
+    """The family's parsed config of a served model: zrl's own vLLM models hold it as `config`, vLLM's
+    built-in ones the HF config, parsed here (keys the family does not read are ignored: vLLM adds its own)."""
+    from transformers import PretrainedConfig
+
+    config = model.config
+    if not isinstance(config, PretrainedConfig):
+        return config
+    return get_family(config.model_type).parse_config(config.to_dict(), strict=False)
 
 
-def _qwen3_moe_checkpoint_keys(model: nn.Module) -> frozenset[str]:
-    """The HF keys of a complete `qwen3_moe` checkpoint (zrl.qwen3_moe's parameters, experts one by one;
-    what zrl.qwen3_moe.hf_state_dict gives)."""
-    from zrl.moepp.checkpoint import to_hf_name
-    from zrl.qwen3_moe import Qwen3MoEConfig, Qwen3MoEForCausalLM
+def served_shape(model: nn.Module) -> ModelShape:
+    """Layers, experts and k of a served model, as its family reads them from the HF config."""
+    return get_family(model.config.model_type).shape(served_config(model))
 
-    config = Qwen3MoEConfig.from_hf_dict(model.config.to_dict(), strict=False)
-    with torch.device("meta"):
-        names = Qwen3MoEForCausalLM(config).state_dict().keys()
-    keys = {to_hf_name(n) for n in names if ".mlp.experts." not in n}
-    for layer_idx in config.moe_layers:
-        for expert in range(config.num_experts):
-            keys.update(f"model.layers.{layer_idx}.mlp.experts.{expert}.{p}.weight"
-                        for p in ("gate_proj", "up_proj", "down_proj"))
-    return frozenset(keys)
+
+_CHECKPOINT_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def checkpoint_keys(model: nn.Module) -> frozenset[str]:
+    """The HF keys a complete weight update of `model` holds (its family's declared names; computed once
+    per model)."""
+    if model not in _CHECKPOINT_KEYS:
+        _CHECKPOINT_KEYS[model] = get_family(model.config.model_type).hf_checkpoint_keys(served_config(model))
+    return _CHECKPOINT_KEYS[model]
 
 
 def _zaya_after_load(model: nn.Module) -> None:
@@ -124,8 +131,12 @@ CAPTURES = {ROUTING_CAPTURE_MODEL_FORWARD: ZayaCapture, ROUTING_CAPTURE_ROUTER_H
 @dataclasses.dataclass(frozen=True)
 class ServedModel:
     model_type: str  # config.json's
-    checkpoint_keys: Callable[[nn.Module], frozenset[str]]  # HF keys a complete weight update holds
     after_load: Callable[[nn.Module], None] = lambda model: None  # derived tensors to rebuild after a load
+
+    @staticmethod
+    def checkpoint_keys(model: nn.Module) -> frozenset[str]:
+        """HF keys a complete weight update holds."""
+        return checkpoint_keys(model)
 
     @property
     def capture(self) -> Callable[[nn.Module, int], ZayaCapture | RouterCapture]:
@@ -134,8 +145,8 @@ class ServedModel:
 
 
 SERVED_MODELS: dict[str, ServedModel] = {
-    "zaya": ServedModel("zaya", _zaya_checkpoint_keys, _zaya_after_load),
-    "qwen3_moe": ServedModel("qwen3_moe", _qwen3_moe_checkpoint_keys),
+    "zaya": ServedModel("zaya", _zaya_after_load),
+    "qwen3_moe": ServedModel("qwen3_moe"),
 }
 
 

@@ -53,12 +53,12 @@ def _calibrate_skip_biases(path: Path, tensors: dict[str, torch.Tensor], generat
     Layer by layer (a layer's choices change the next layer's inputs), on zrl.moepp's model: the bias
     is the quantile of the margin by which the skip class loses (best biased expert minus skip prob).
     """
-    from zrl.moepp.checkpoint import from_hf_name
     from zrl.moepp.config import MoEPPConfig
+    from zrl.moepp.family import MoEPPFamily
     from zrl.moepp.model import MoEPPForCausalLM
 
     model = MoEPPForCausalLM(MoEPPConfig.from_pretrained_dir(path)).eval()
-    model.load_state_dict({from_hf_name(k): v for k, v in tensors.items()})
+    model.load_state_dict({MoEPPFamily.hf_names.param_name(k): v for k, v in tensors.items()})
     tokens = torch.randint(10, model.config.vocab_size, (8, 64), generator=generator)
     for layer_idx, layer in enumerate(model.layers):
         captured = []

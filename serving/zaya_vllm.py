@@ -8,7 +8,7 @@ the merged q/k/v projection and the scheduling. Per layer:
   h = MoE(RMSNorm_post(x), r_prev)  zrl.moepp router (E + 1 classes, skip = E) + vLLM FusedMoE experts
   x = ResScale_mlp(h, x)
 Logits: RMSNorm_final(x) @ E^T at fp32 accuracy (LM_HEAD). With 16-bit weights on CUDA: bf16 GEMMs
-on exact bf16 parts of the fp32 hidden states (the trainer's LM head, zrl.moepp.kernels.lm_logprobs
+on exact bf16 parts of the fp32 hidden states (the trainer's LM head, zrl.modeling.kernels.lm_logprobs
 library.py), no fp32 copy of the 262k x 2048 embedding; elsewhere an fp32 copy of it is kept and
 refreshed by `refresh_derived_weights` after every (re)load.
 
@@ -41,11 +41,13 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 
 from serving.cca_state import CCAStateCache
-from zrl.moepp.attention import QKNorm, apply_partial_rope, rope_cos_sin
-from zrl.moepp.blocks import ResidualScaling, RMSNorm
+from zrl.modeling.blocks import RMSNorm
+from zrl.modeling.rope import apply_partial_rope, rope_cos_sin
+from zrl.moepp.blocks import ResidualScaling
+from zrl.moepp.cca import QKNorm
 from zrl.moepp.config import MoEPPConfig
-from zrl.moepp.kernels.lm_logprobs.library import SplitProducts
-from zrl.moepp.precision import Fp32Op, to_op_dtype
+from zrl.modeling.kernels.lm_logprobs.library import SplitProducts
+from zrl.modeling.precision import Fp32Op, to_op_dtype
 from zrl.moepp.router import ZayaRouter
 
 # HF names of the four projections fused into one GEMM, in output order.
@@ -202,7 +204,6 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.lm_head_weight = (None if config.tie_word_embeddings
                                else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size)))
         self._lm_head_fp32: torch.Tensor | None = None
-        self._checkpoint_keys: frozenset[str] | None = None
         # [T, L] uint8 chosen experts of the last forward (skip = E); read by the worker extension.
         self.last_routing: torch.Tensor | None = None
 
@@ -271,17 +272,6 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self._lm_head_fp32 = None if weight.dtype == torch.float32 or weight.is_cuda else weight.float()
 
     # ---------------------------------------------------------------- weights
-
-    def checkpoint_keys(self) -> frozenset[str]:
-        """The HF keys of a complete checkpoint of this architecture (zrl.moepp's state dict, HF-named)."""
-        if self._checkpoint_keys is None:
-            from zrl.moepp.checkpoint import to_hf_name
-            from zrl.moepp.model import MoEPPForCausalLM
-
-            with torch.device("meta"):
-                reference = MoEPPForCausalLM(self.config)
-            self._checkpoint_keys = frozenset(to_hf_name(k) for k in reference.state_dict())
-        return self._checkpoint_keys
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF `zaya` checkpoint tensors; returns the names of the parameters/buffers written."""

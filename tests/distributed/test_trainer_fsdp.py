@@ -20,7 +20,8 @@ import torch
 
 from zrl.assets import build_tiny_model
 from zrl.moepp import load_hf_checkpoint
-from zrl.moepp.checkpoint import to_hf_name
+from zrl.models import get_family
+from zrl.moepp.family import MoEPPFamily
 from zrl.trainer import SFTExample
 from zrl.trainer.synthetic import synthetic_sft_examples, synthetic_train_batch
 from zrl.types import NO_ROUTE
@@ -68,7 +69,7 @@ def run(tmp_path_factory) -> dict:
     model_dir = build_tiny_model(root / "model")
     ref = load_hf_checkpoint(model_dir)
     cfg = ref.config
-    common = dict(vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts,
+    common = dict(vocab_size=cfg.vocab_size, shape=get_family(cfg.model_type).shape(cfg),
                   num_groups=3, group_size=4, model=ref)
     batches = [synthetic_train_batch(**common, trainer_step=k, seed=k, empty_responses=1 if k == 0 else 0)
                for k in range(3)]
@@ -142,7 +143,7 @@ def _moved(a: dict, b: dict) -> float:
 
 
 def test_loaded_weights_are_the_checkpoint(run):
-    expected = {to_hf_name(k): v for k, v in run["ref"].state_dict().items()}
+    expected = {MoEPPFamily.hf_names.hf_key(k): v for k, v in run["ref"].state_dict().items()}
     for world in (1, 2):
         assert _max_diff(run["runs"][world]["weights"]["init"], expected) == 0.0
 
@@ -294,7 +295,7 @@ def test_sft_step_matches_reference_nll(run):
 def test_hf_export_and_weight_buckets(run):
     r = run["runs"][2]
     exported = load_hf_checkpoint(r["dir"] / "hf")
-    assert _max_diff({to_hf_name(k): v for k, v in exported.state_dict().items()}, r["weights"]["A_step3"]) == 0.0
+    assert _max_diff({MoEPPFamily.hf_names.hf_key(k): v for k, v in exported.state_dict().items()}, r["weights"]["A_step3"]) == 0.0
     assert (r["dir"] / "hf" / "tokenizer.json").exists()
     buckets = r["results"]["buckets"]
     assert [b["index"] for b in buckets] == list(range(len(buckets))) and len(buckets) > 2

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from zrl.moepp.config import zaya1_8b_config
-from zrl.moepp.kernels import use_backend
-from zrl.moepp.kernels.experts import moe_experts
+from zrl.modeling.kernels import use_backend
+from zrl.modeling.kernels.experts import moe_experts
 
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "moepp_kernels.py"
 _spec = importlib.util.spec_from_file_location("bench_moepp_kernels", _PATH)

@@ -51,7 +51,7 @@ class ModelSpec(Strict):
                             "TINY_BUILDERS; `zrl init-tiny-model --arch` builds the same)")
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     kernels: Literal["auto", "triton", "reference"] = Field(
-        "auto", description="trainer kernels (zrl/moepp/kernels): auto = per op the fastest measured on CUDA "
+        "auto", description="trainer kernels (zrl/modeling/kernels): auto = per op the fastest measured on CUDA "
                             "(Triton kernel, library op or PyTorch reference), the references otherwise; "
                             "triton/reference force one")
 
@@ -202,7 +202,7 @@ MIN_TEMPERATURE = 0.01
 
 class Sampling(Strict):
     """An RL stage's rollout sampling. The trainer takes its logprobs under the same distribution
-    (temperature, then min-p, top-k, top-p: zrl.moepp.logprobs), so every value here must be one the
+    (temperature, then min-p, top-k, top-p: zrl.modeling.logprobs), so every value here must be one the
     rollout engine samples with as written."""
 
     prompts_per_batch: int = Field(128, ge=1)

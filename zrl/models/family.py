@@ -2,17 +2,20 @@
 serving need to know about a model architecture, in one small class per architecture.
 
 An architecture's package (zrl/moepp, zrl/qwen3_moe) holds its model code and one `ModelFamily`
-subclass (`<package>/family.py`); zrl/models/registry.py maps a checkpoint's config.json
-`model_type` to it. Callers never import an architecture's package directly: they resolve a family
-(`family_of_checkpoint(path)`, `family_of(model)`) and go through it.
+subclass (`<package>/family.py`) that declares its Hugging Face names once (`hf_names`, from which
+loading, export, weight sync and the engine's key list derive); zrl/models/registry.py maps a
+checkpoint's config.json `model_type` to it. What families share lives in zrl/modeling. Callers never
+import an architecture's package directly: they resolve a family (`family_of_checkpoint(path)`,
+`family_of(model)`) and go through it.
 
 What a family's model must offer besides the methods below (the trainer calls these on the model):
   model.config                         its parsed config, with a `model_type` class attribute
   model.layers                         the decoder layers (the default FSDP2 units)
   model.token_logprobs(input_ids, targets, cu_seqlens=, routing_replay=, with_entropy=, chunk_tokens=,
-                       sampling=)      -> zrl.moepp.TokenLogprobs: [T] log-probs under the engine's
-                                          sampling distribution, `.routing` a zrl.moepp.RoutingInfo
-                                          whose `expert_counts` is [L, shape.count_classes]
+                       sampling=)      -> zrl.modeling.causal_lm.TokenLogprobs: [T] log-probs under the
+                                          engine's sampling distribution, `.routing` a
+                                          zrl.modeling.routing.RoutingInfo whose `expert_counts` is
+                                          [L, shape.count_classes]
   model.set_activation_checkpointing(layers, context_fn=)
 
 Invariants: importing this module, resolving a family, parsing a config and reading its shape import
@@ -26,7 +29,9 @@ import abc
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from zrl.modeling.hf_names import HFNames
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +67,17 @@ class ModelShape:
         return self.num_experts + int(self.skip_class)
 
 
+class BiasController(Protocol):
+    """What `ModelFamily.bias_balancer` returns: an optimizer on the router biases, stepped with the
+    global batch's [L, C] expert counts (the trainer checkpoints `optimizer` and reads `biases`' device)."""
+
+    biases: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+
+    def step(self, expert_counts: torch.Tensor) -> torch.Tensor:
+        """One update; returns the error it applied."""
+
+
 @dataclasses.dataclass(frozen=True)
 class FlopModel:
     """What the planner's trainer model needs: FLOPs per token = 6 * active_params (dense forward and
@@ -81,6 +97,7 @@ class ModelFamily(abc.ABC):
     model_type: ClassVar[str]  # config.json's model_type, the registry key
     vllm_architecture: ClassVar[str]  # config.json's architectures[0]: the vLLM model class that serves it
     routing_capture: ClassVar[str]  # one of ROUTING_CAPTURE_KINDS
+    hf_names: ClassVar[HFNames]  # how its parameters are keyed in HF checkpoints
 
     # ------------------------------------------------------------------ config (no torch)
 
@@ -106,10 +123,21 @@ class ModelFamily(abc.ABC):
     def build(self, config: Any) -> nn.Module:
         """A new model on the current default device (the trainer builds on meta, shards, then loads)."""
 
-    @abc.abstractmethod
+    def load_model(self, path: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu",
+                   strict_config: bool = True) -> nn.Module:
+        """The model of HF checkpoint directory `path` with every tensor loaded, checked against its config."""
+        import torch
+
+        from zrl.modeling.hf_io import load_into
+
+        config = self.read_config(path, strict=strict_config)
+        with torch.device("meta"):
+            model = self.build(config)
+        return load_into(model, path, self.hf_names, dtype=dtype, device=device)
+
     def load_state_dict(self, path: str | Path, *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The full state dict (the model's own names) of HF checkpoint directory `path`, checked
-        against its config."""
+        """The full state dict (the model's own names) of HF checkpoint directory `path`."""
+        return self.load_model(path, dtype=dtype).state_dict()
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         """Modules to `fully_shard` one by one before the root (the root keeps what is left)."""
@@ -117,13 +145,13 @@ class ModelFamily(abc.ABC):
 
     def optimizer_param_groups(self, model: nn.Module) -> dict[str, dict[str, nn.Parameter]]:
         """{"muon": {name: param}, "adamw": {name: param}}: every Linear weight and expert tensor of the
-        decoder layers to Muon, the rest to AdamW (zrl.moepp.params)."""
-        from zrl.moepp.params import optimizer_param_groups
+        decoder layers to Muon, the rest to AdamW (zrl.modeling.params)."""
+        from zrl.modeling.params import optimizer_param_groups
 
         return optimizer_param_groups(model)
 
-    def bias_balancer(self, model: nn.Module, *, lr: float):
-        """The router-bias controller (zrl.moepp.BiasBalancer) of a model with balancing biases; a
+    def bias_balancer(self, model: nn.Module, *, lr: float) -> BiasController:
+        """The router-bias controller (`step(expert_counts)`) of a model with balancing biases; a
         family without them raises (a recipe asked `algorithm.router_bias_update` of it)."""
         raise ValueError(f"algorithm.router_bias_update: {self.model_type} models have no router balancing biases")
 
@@ -133,12 +161,23 @@ class ModelFamily(abc.ABC):
 
     # ------------------------------------------------------------------ export and weight sync
 
-    @abc.abstractmethod
     def hf_tensors(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """A model tensor (its state-dict name, full) as the HF checkpoint key(s) the engine loads,
         on the tensor's device, without copying where a view will do."""
+        return self.hf_names.hf_tensors(name, tensor)
 
-    @abc.abstractmethod
+    def hf_checkpoint_keys(self, config: Any) -> frozenset[str]:
+        """The HF keys of a complete checkpoint of `config` (what a full weight update holds)."""
+        import torch
+
+        from zrl.modeling.hf_io import hf_checkpoint_keys
+
+        with torch.device("meta"):
+            return hf_checkpoint_keys(self.build(config), self.hf_names)
+
     def save_hf_checkpoint(self, state: dict[str, torch.Tensor], path: str | Path, *, config: Any,
-                           dtype: torch.dtype | None) -> None:
+                           dtype: torch.dtype | None, max_shard_bytes: int | None = None) -> None:
         """Write config.json + safetensors of a full state dict (the model's names) that transformers loads."""
+        from zrl.modeling.hf_io import save_hf_checkpoint
+
+        save_hf_checkpoint(state, path, self.hf_names, config=config, dtype=dtype, max_shard_bytes=max_shard_bytes)

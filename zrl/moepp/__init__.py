@@ -1,6 +1,9 @@
 """MoE++ (ZAYA1) model: single-device PyTorch implementation, HF `zaya` interchange, training hooks.
 
-See zrl/moepp/README.md for the FP32 op set and the public API (shape letters: docs/shapes.md). Names are
+What is MoE++'s own: its config, CCA attention, the router with a skip class and EDA, residual scaling,
+the decoder layer and model, its routing records and bias balancer, its family. What it shares with
+other families (packing, log-probs, attention, experts, the FP32 op set...) is zrl.modeling's.
+See zrl/moepp/README.md for the public API (shape letters: docs/shapes.md). Names are
 exported lazily so that `import zrl.moepp.config` (the vLLM plugin, recipe validation) does not
 import torch.
 """
@@ -8,15 +11,11 @@ import torch.
 import importlib
 
 _EXPORTS = {
-    "load_hf_checkpoint": "checkpoint", "save_hf_checkpoint": "checkpoint",
-    "ConfigError": "config", "MoEPPConfig": "config", "zaya1_8b_config": "config",
+    "hf_state_dict": "checkpoint", "load_hf_checkpoint": "checkpoint", "save_hf_checkpoint": "checkpoint",
+    "MoEPPConfig": "config", "zaya1_8b_config": "config",
     "MoEPPFamily": "family",
-    "chunked_token_logprobs": "logprobs",
-    "CausalLMOutput": "model", "DecoderLayer": "model", "MoEPPForCausalLM": "model", "TokenLogprobs": "model",
-    "ParameterCounts": "params", "count_parameters": "params", "optimizer_param_groups": "params",
-    "FP32_OPS": "precision", "Fp32Op": "precision",
-    "BiasBalancer": "routing", "RoutingInfo": "routing", "RoutingStats": "routing",
-    "balancing_error": "routing", "routing_stats": "routing",
+    "DecoderLayer": "model", "MoEPPForCausalLM": "model",
+    "BiasBalancer": "routing", "balancing_error": "routing",
 }
 
 __all__ = sorted(_EXPORTS)

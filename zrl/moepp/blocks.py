@@ -1,10 +1,8 @@
-"""Small building blocks of the MoE++ model: RMSNorm and ZAYA1 residual scaling.
+"""ZAYA1 residual scaling: (h + b_h) * s_h + (r + b_r) * s_r, in fp32 (RESIDUAL of the FP32 op set).
 
-Both run in fp32 whatever the weight dtype (RMSNORM and RESIDUAL of the FP32 op set, precision.py):
-they return fp32 and the consumer casts to its compute dtype. Parameter names match the HF `zaya`
-checkpoint (`weight`; `hidden_states_scale/bias`, `residual_scale/bias`). The math lives in the
-fused op `zrl.moepp.kernels.residual_norm` (Triton kernel or its PyTorch reference, by backend);
-these modules hold the parameters and call it, so the checkpoint layout is the same on every backend.
+Parameter names match the HF `zaya` checkpoint (`hidden_states_scale/bias`, `residual_scale/bias`). The
+math lives in the fused op `zrl.modeling.kernels.residual_norm` (Triton kernel or its PyTorch reference,
+by backend), which can also apply the next RMSNorm in the same pass (`add_and_norm`).
 """
 
 from __future__ import annotations
@@ -12,22 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zrl.moepp.kernels.residual_norm import rms_norm, scaled_residual_add_rmsnorm
-
-
-class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, statistics and product in fp32. x: [..., C] -> fp32."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+from zrl.modeling.blocks import RMSNorm
+from zrl.modeling.kernels.residual_norm import scaled_residual_add_rmsnorm
 
 
 class ResidualScaling(nn.Module):
@@ -62,8 +46,3 @@ class ResidualScaling(nn.Module):
         nn.init.zeros_(self.hidden_states_bias)
         nn.init.ones_(self.residual_scale)
         nn.init.zeros_(self.residual_bias)
-
-
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """`layer(x)` in the layer's weight dtype (the compute dtype), whatever dtype `x` arrives in."""
-    return layer(x.to(layer.weight.dtype))

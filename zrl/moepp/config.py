@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import Any, ClassVar
 
+from zrl.modeling.config import ConfigError, leftover_keys
 from zrl.types import NO_ROUTE
 
 logger = logging.getLogger(__name__)
@@ -38,22 +39,6 @@ _IGNORED_KEYS = frozenset({
     "keys_to_ignore_at_inference", "router_aux_loss_coef", "id2label", "label2id", "problem_type",
     "chunk_size_feed_forward",
 })
-
-
-class ConfigError(ValueError):
-    """A zaya config that this implementation cannot run exactly; the message names the key."""
-
-
-def leftover_keys(cfg: dict[str, Any], ignored: frozenset[str], strict: bool, model_type: str) -> dict[str, Any]:
-    """What a config parser leaves in `cfg`: the `ignored` keys, returned to pass through to config.json;
-    any other key raises ConfigError (strict) or is logged and dropped."""
-    passthrough = {key: cfg.pop(key) for key in list(cfg) if key in ignored}
-    if cfg:
-        if strict:
-            raise ConfigError(f"unsupported config key(s) {sorted(cfg)}: this implementation does not know "
-                              f"what they change (pass strict=False to ignore them)")
-        logger.warning("ignoring unknown %s config keys %s", model_type, sorted(cfg))
-    return passthrough
 
 
 @dataclasses.dataclass(frozen=True)

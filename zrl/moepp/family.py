@@ -1,16 +1,17 @@
 """MoE++ (ZAYA1, HF `zaya`) as a zrl.models `ModelFamily`: a thin adapter over this package.
 
-Nothing here computes anything new: every method calls what the trainer called before the contract
-(load_hf_checkpoint, optimizer_param_groups, BiasBalancer, routing_stats, save_hf_checkpoint,
-to_hf_name), so MoE++ numbers are unchanged. Served by zrl's out-of-tree vLLM model
-(serving/zaya_vllm.py), whose forward returns the routing: top-1 with a skip class, a [T, L] record.
+Nothing here computes anything new: every method calls this package's functions (the model, its
+parameter counts, BiasBalancer, routing statistics with a skip class). Its HF names: every tensor is
+`model.<name>` (experts stay fused, as the `zaya` layout stores them), the balancing biases stay fp32.
+Served by zrl's out-of-tree vLLM model (serving/zaya_vllm.py), whose forward returns the routing:
+top-1 with a skip class, a [T, L] record.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from zrl.modeling.hf_names import HFNames
 from zrl.models.family import ROUTING_CAPTURE_MODEL_FORWARD, FlopModel, ModelFamily, ModelShape
 from zrl.moepp.config import MODEL_TYPE, MoEPPConfig
 
@@ -19,6 +20,7 @@ class MoEPPFamily(ModelFamily):
     model_type = MODEL_TYPE
     vllm_architecture = "ZayaForCausalLM"
     routing_capture = ROUTING_CAPTURE_MODEL_FORWARD
+    hf_names = HFNames(MODEL_TYPE, fp32=("balancing_biases",))
 
     def parse_config(self, raw: dict[str, Any], *, strict: bool = True) -> MoEPPConfig:
         return MoEPPConfig.from_hf_dict(raw, strict=strict)
@@ -30,8 +32,8 @@ class MoEPPFamily(ModelFamily):
     def flop_model(self, config: MoEPPConfig) -> FlopModel:
         import torch
 
+        from zrl.modeling.params import count_parameters
         from zrl.moepp.model import MoEPPForCausalLM
-        from zrl.moepp.params import count_parameters
 
         with torch.device("meta"):
             counts = count_parameters(MoEPPForCausalLM(config))
@@ -44,30 +46,15 @@ class MoEPPFamily(ModelFamily):
 
         return MoEPPForCausalLM(config)
 
-    def load_state_dict(self, path: str | Path, *, dtype):
-        from zrl.moepp.checkpoint import load_hf_checkpoint
-
-        return load_hf_checkpoint(path, dtype=dtype).state_dict()
-
     def bias_balancer(self, model, *, lr: float):
         from zrl.moepp.routing import BiasBalancer
 
         return BiasBalancer.for_model(model, lr=lr)
 
     def routing_metrics(self, expert_counts) -> dict[str, float]:
-        from zrl.moepp.routing import routing_stats
+        from zrl.modeling.routing import routing_stats
 
-        rs = routing_stats(expert_counts)
+        rs = routing_stats(expert_counts, skip_class=True)
         return {"routing/load_entropy_mean": float(rs.load_entropy.mean()),
                 "routing/load_max": float(rs.load.max()),
                 "routing/skip_frac_mean": float(rs.skip_fraction.mean())}
-
-    def hf_tensors(self, name: str, tensor):
-        from zrl.moepp.checkpoint import to_hf_name
-
-        return [(to_hf_name(name), tensor)]
-
-    def save_hf_checkpoint(self, state, path: str | Path, *, config: MoEPPConfig, dtype) -> None:
-        from zrl.moepp.checkpoint import save_hf_checkpoint
-
-        save_hf_checkpoint(state, path, config=config, dtype=dtype)

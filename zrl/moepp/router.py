@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from zrl.moepp.blocks import RMSNorm, linear
+from zrl.modeling.blocks import RMSNorm, linear
 from zrl.moepp.config import MoEPPConfig
 from zrl.moepp.kernels.router import route, router_logits
 

@@ -1,7 +1,8 @@
-"""Routing records of a forward pass, routing statistics, and the bias-balancing controller.
+"""MoE++ routing records (top-1 with a skip class) and the bias-balancing controller.
 
-Shapes (docs/shapes.md): T tokens, L MoE layers, E experts; expert ids are in [0, E] with E the skip
-class; `zrl.types.NO_ROUTE` (255) in a replay record means "no record, route natively".
+Shapes (docs/shapes.md): T tokens, L MoE layers, E experts; a record is [T, L] (k = 1), expert ids are
+in [0, E] with E the skip class; `zrl.types.NO_ROUTE` (255) in a replay record means "no record, route
+natively". The record type and the statistics are zrl.modeling.routing's.
 
 Everything here returns tensors without synchronising with the host, and counts rather than
 fractions where a caller may want to all-reduce across ranks before dividing.
@@ -9,35 +10,13 @@ fractions where a caller may want to all-reduce across ranks before dividing.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Sequence
 
 import torch
 
+from zrl.modeling.routing import BIAS_BALANCER_LR, RoutingInfo
 from zrl.moepp.router import RouterOutput
 from zrl.types import NO_ROUTE
-
-BIAS_BALANCER_LR = 1e-3  # AdamW lr of the balancing biases (a controller gain; the report gives none)
-
-
-@dataclasses.dataclass(frozen=True)
-class RoutingInfo:
-    """What the routers did in one forward pass."""
-
-    native_ids: torch.Tensor  # [T, L] uint8, each router's own biased argmax
-    chosen_ids: torch.Tensor  # [T, L] uint8, the experts used (replayed where recorded)
-    expert_counts: torch.Tensor  # [L, E + 1] int64 tokens per chosen class (skip last)
-    replay_disagree: torch.Tensor | None  # [L] int64 recorded entries whose native id differs
-    replay_recorded: torch.Tensor | None  # [L] int64 entries with a record (not NO_ROUTE)
-    replay_missing: torch.Tensor | None  # [L] int64 NO_ROUTE entries (routed natively)
-
-    @property
-    def replay_mismatch_fraction(self) -> torch.Tensor | None:
-        """Fraction of recorded (token, layer) entries where native routing disagrees: [] fp32."""
-        if self.replay_disagree is None:
-            return None
-        return self.replay_disagree.sum().float() / self.replay_recorded.sum().clamp_min(1).float()
 
 
 def collect_routing(outputs: Sequence[RouterOutput], replay: torch.Tensor | None, num_classes: int) -> RoutingInfo:
@@ -77,28 +56,6 @@ def validate_replay(replay: torch.Tensor, num_tokens: int, num_layers: int, num_
     except RuntimeError as error:
         raise ValueError(f"{message}; found {replay[bad][0].item()}") from error
     return replay
-
-
-@dataclasses.dataclass(frozen=True)
-class RoutingStats:
-    load: torch.Tensor  # [L, E] fraction of routed (non-skip) tokens per expert
-    skip_fraction: torch.Tensor  # [L] fraction of all tokens sent to the skip class
-    load_entropy: torch.Tensor  # [L] H(load) / ln E, 1 = perfectly balanced, 0 = one expert
-
-
-def routing_stats(expert_counts: torch.Tensor) -> RoutingStats:
-    """Per-layer load statistics from [L, E + 1] counts (possibly summed over ranks and steps)."""
-    counts = expert_counts.to(torch.float64)
-    routed = counts[:, :-1]  # [L, E]
-    num_experts = routed.shape[1]
-    load = routed / routed.sum(dim=1, keepdim=True).clamp_min(1.0)
-    entropy = -torch.special.xlogy(load, load).sum(dim=1)  # 0 log 0 = 0
-    normaliser = math.log(num_experts) if num_experts > 1 else 1.0
-    return RoutingStats(
-        load=load.float(),
-        skip_fraction=(counts[:, -1] / counts.sum(dim=1).clamp_min(1.0)).float(),
-        load_entropy=(entropy / normaliser).float(),
-    )
 
 
 def balancing_error(expert_counts: torch.Tensor) -> torch.Tensor:

@@ -159,7 +159,7 @@ class RolloutWorker:
         """`seed`: the stage's seed (the recipe's, offset by the stage); `publish`: how a finished group
         is handed on (None: the report carries the group itself, for in-process use)."""
         from serving.engine import RolloutEngine, SamplingConfig
-        from zrl.moepp import kernels as kernel_backend
+        from zrl.modeling import kernels as kernel_backend
 
         kernel_backend.set_backend(kernels)
         s = stage.sampling

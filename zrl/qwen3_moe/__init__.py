@@ -1,5 +1,5 @@
 """Qwen3-MoE model for the trainer: single-device PyTorch port of transformers' Qwen3MoeForCausalLM with
-packed varlen input, top-k router replay and the fp32 LM-head log-probs of zrl.moepp.
+packed varlen input, top-k router replay and the fp32 LM-head log-probs of zrl.modeling.
 
 See zrl/qwen3_moe/README.md (public API, routing record layout). Names are exported lazily so that
 `import zrl.qwen3_moe.config` does not import torch.
@@ -8,8 +8,7 @@ See zrl/qwen3_moe/README.md (public API, routing record layout). Names are expor
 import importlib
 
 _EXPORTS = {
-    "hf_named_tensors": "checkpoint", "hf_state_dict": "checkpoint", "load_hf_checkpoint": "checkpoint",
-    "save_hf_checkpoint": "checkpoint",
+    "hf_state_dict": "checkpoint", "load_hf_checkpoint": "checkpoint", "save_hf_checkpoint": "checkpoint",
     "Qwen3MoEFamily": "family",
     "Qwen3MoEConfig": "config",
     "DecoderLayer": "model", "Qwen3MoEForCausalLM": "model", "TopKRouting": "model",

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any, ClassVar
 
-from zrl.moepp.config import ConfigError, leftover_keys
+from zrl.modeling.config import ConfigError, leftover_keys
 from zrl.types import NO_ROUTE
 
 

@@ -11,18 +11,18 @@ replay, the recorded ones); weights = p at those experts, divided by their sum w
 output = sum over the k of weight * SwiGLU_e(x). Under replay the weights are the model's own
 probabilities at the replayed experts, so the router still gets gradients.
 
-Inputs, outputs and the trainer-facing surface are zrl.moepp's (`PackedCausalLM` around this model's
+Inputs, outputs and the trainer-facing surface are zrl.modeling's (`PackedCausalLM` around this model's
 `hidden_states`): one packed stream
 [T] with `cu_seqlens` (or position ids restarting at 0) or [B, S] rows; `hidden_states`, `forward`
-(logits, or log-probs with `targets`), `token_logprobs` (the chunked fp32 LM head of zrl.moepp.logprobs,
+(logits, or log-probs with `targets`), `token_logprobs` (the chunked fp32 LM head of zrl.modeling.logprobs,
 with the engine's SamplingDistribution), `lm_head_weight`, `layers` (the FSDP2 units),
 `set_activation_checkpointing` (routing pinned on recompute). Outputs equal running every document
-alone. Routing records and RoutingInfo shapes: routing.py. Precision: zrl.moepp's FP32 op set (residual
+alone. Routing records and RoutingInfo shapes: routing.py. Precision: zrl.modeling's FP32 op set (residual
 stream, every RMSNorm with the RoPE after the q/k norms, router softmax and weights, LM head and
 log-probs in fp32; projections, attention and experts in the weights' dtype). Under FSDP2 mixed
 precision use `cast_forward_inputs=False` on the layers so the residual stream stays fp32.
 
-Shared pieces come from zrl.moepp: packing (document layout), attention (`causal_attention`: one varlen
+Shared pieces come from zrl.modeling: packing (document layout), attention (`causal_attention`: one varlen
 FlashAttention launch on CUDA in bf16/fp16, exact per-document SDPA elsewhere), the SwiGLU experts op
 (`SwiGLUExperts`, `torch._grouped_mm` on CUDA) and the RMSNorm/LM-head kernels.
 """
@@ -37,13 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-from zrl.moepp.attention import apply_partial_rope, causal_attention, rope_cos_sin
-from zrl.moepp.blocks import RMSNorm, linear
-from zrl.moepp.experts import SwiGLUExperts
-from zrl.moepp.model import PackedCausalLM
-from zrl.moepp.packing import PackedLayout, build_layout
-from zrl.moepp.precision import Fp32Op, to_op_dtype
-from zrl.moepp.routing import RoutingInfo
+from zrl.modeling.attention import causal_attention
+from zrl.modeling.blocks import RMSNorm, linear
+from zrl.modeling.causal_lm import PackedCausalLM
+from zrl.modeling.experts import SwiGLUExperts
+from zrl.modeling.packing import PackedLayout, build_layout
+from zrl.modeling.precision import Fp32Op, to_op_dtype
+from zrl.modeling.rope import apply_partial_rope, rope_cos_sin
+from zrl.modeling.routing import RoutingInfo
 from zrl.qwen3_moe.config import Qwen3MoEConfig
 from zrl.qwen3_moe.routing import collect_routing, validate_replay
 from zrl.types import NO_ROUTE
@@ -107,7 +108,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = SwiGLUExperts(config)
+        self.experts = SwiGLUExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
     def route(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> TopKRouting:
         """x [T, D] (normed), replay [T, k] int64 (rows all NO_ROUTE = no record) or None."""

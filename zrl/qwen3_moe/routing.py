@@ -5,7 +5,7 @@ the k expert ids (any order) the engine routed the token to. `zrl.types.NO_ROUTE
 record": a (token, layer) entry is either fully recorded (k distinct ids in [0, E)) or fully NO_ROUTE,
 which routes natively. Columns of dense layers carry nothing and are ignored on input, NO_ROUTE on output.
 
-The forward returns `zrl.moepp.RoutingInfo` with these shapes: `native_ids`/`chosen_ids` [T, L * k]
+The forward returns `zrl.modeling.routing.RoutingInfo` with these shapes: `native_ids`/`chosen_ids` [T, L * k]
 uint8 (the same layout as a record, so `chosen_ids` can be replayed), `expert_counts` [L, E] int64
 (no skip class; dense layers' rows are 0), and, under replay, per layer: `replay_recorded` = recorded
 expert ids, `replay_disagree` = recorded ids not among the router's own top-k, `replay_missing` =
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from zrl.moepp.routing import RoutingInfo
+from zrl.modeling.routing import RoutingInfo
 from zrl.qwen3_moe.config import Qwen3MoEConfig
 from zrl.types import NO_ROUTE
 

@@ -47,7 +47,7 @@ def checkpointed_layers(num_layers: int, *, enabled: bool, every_layers: int = 1
 
 def configure_checkpointing(model: nn.Module, *, enabled: bool, every_layers: int = 1,
                             selective: bool = False) -> list[int]:
-    """Set the model's activation checkpointing (zrl.moepp `set_activation_checkpointing`); returns the
+    """Set the model's activation checkpointing (zrl.modeling.causal_lm `set_activation_checkpointing`); returns the
     checkpointed layer indices."""
     layers = checkpointed_layers(len(model.layers), enabled=enabled, every_layers=every_layers)
     model.set_activation_checkpointing(layers, context_fn=selective_checkpoint_contexts if selective else None)
@@ -76,7 +76,7 @@ def compute_bound_ops() -> frozenset:
              ("aten", "_flash_attention_forward"), ("aten", "_efficient_attention_forward"),
              ("torch_attn", "_varlen_attn")]
     # torch_attn::_varlen_attn is registered by importing torch.nn.attention.varlen, which
-    # zrl.moepp.attention does: by the time a model exists to checkpoint, it is there.
+    # zrl.modeling.attention does: by the time a model exists to checkpoint, it is there.
     packets = (getattr(getattr(torch.ops, namespace), name, None) for namespace, name in names)
     return frozenset(packet.default for packet in packets if packet is not None)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from zrl.moepp.packing import copy_to_device
+from zrl.modeling.packing import copy_to_device
 from zrl.trainer.packing import input_length
 from zrl.types import NO_ROUTE, Rollout
 

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 if TYPE_CHECKING:  # the router-bias controller of a model family that has one (ModelFamily.bias_balancer)
-    from zrl.moepp import BiasBalancer
+    from zrl.models.family import BiasController
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class TrainerState:
 
 
 def save_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, bias_balancer: BiasBalancer | None,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, bias_balancer: BiasController | None,
                     step: int, data_state: dict[str, Any] | None = None) -> None:
     """Collective: every rank calls it with the same path."""
     path = Path(path)
@@ -86,7 +86,7 @@ def save_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
 
 def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler,
-                    bias_balancer: BiasBalancer | None) -> TrainerState:
+                    bias_balancer: BiasController | None) -> TrainerState:
     """Collective: restore everything `save_checkpoint` wrote, on any number of ranks."""
     path = Path(path)
     meta = read_trainer_state(path)
@@ -143,14 +143,14 @@ def _check_json(data_state: dict[str, Any]) -> None:
         raise ValueError(f"data_state must be JSON-serialisable: {exc}") from None
 
 
-def _bias_balancer_state(balancer: BiasBalancer) -> dict[str, Any]:
+def _bias_balancer_state(balancer: BiasController) -> dict[str, Any]:
     """The balancer's AdamW moments as lists (float32 values are exact in JSON's float64)."""
     sd = balancer.optimizer.state_dict()
     return {"state": {str(i): {k: v.tolist() for k, v in s.items()} for i, s in sd["state"].items()},
             "param_groups": sd["param_groups"]}
 
 
-def _load_bias_balancer_state(balancer: BiasBalancer, saved: dict[str, Any]) -> None:
+def _load_bias_balancer_state(balancer: BiasController, saved: dict[str, Any]) -> None:
     device = balancer.biases[0].device
     state = {int(i): {k: torch.tensor(v, dtype=torch.float32, device="cpu" if k == "step" else device)
                       for k, v in s.items()} for i, s in saved["state"].items()}

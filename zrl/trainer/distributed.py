@@ -20,7 +20,7 @@ Invariants:
   just before the layer's reduce-scatter.
 - Mixed precision: parameters are kept (sharded) in fp32 and all-gathered in `param_dtype`;
   gradients are reduced in fp32; forward inputs are not cast (the residual stream entering each
-  layer stays fp32, zrl/moepp/README.md "FP32 op set").
+  layer stays fp32, zrl/modeling/precision.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from zrl.algorithms import TrustRegionStats, aggregate_loss, policy_loss
 from zrl.canaries import MismatchStats, mismatch_sums
 from zrl.canaries.mismatch import NUM_SUMS
-from zrl.moepp.logprobs import SamplingDistribution
+from zrl.modeling.logprobs import SamplingDistribution
 from zrl.trainer.batch import Microbatch
 
 _MISMATCH_MAX = NUM_SUMS - 1  # the max |p - q| entry of a mismatch sums vector
@@ -52,7 +52,7 @@ class MicrobatchOutput:
 def forward_logprobs(model, mb: Microbatch, *, with_entropy: bool, chunk_tokens: int | None = None,
                      sampling: SamplingDistribution | None = None):
     """log p of every target of the packed stream with router replay, under `sampling` (None: the plain
-    softmax); returns the model's TokenLogprobs (zrl.moepp's type, shared by every model family)."""
+    softmax); returns the model's TokenLogprobs (zrl.modeling's type, shared by every model family)."""
     return model.token_logprobs(mb.input_ids, mb.targets, cu_seqlens=mb.cu_seqlens, routing_replay=mb.routing,
                                 with_entropy=with_entropy, chunk_tokens=chunk_tokens, sampling=sampling)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from zrl.config.schema import Algorithm, ModelSpec, Optimizer, Resources, RLStage, Sampling, SFTStage
-from zrl.moepp.kernels import BACKENDS
-from zrl.moepp.logprobs import SamplingDistribution
-from zrl.moepp.routing import BIAS_BALANCER_LR
+from zrl.modeling.kernels import BACKENDS
+from zrl.modeling.logprobs import SamplingDistribution
+from zrl.modeling.routing import BIAS_BALANCER_LR
 from zrl.optim import AdamWHyperparams, MuonHyperparams
 from zrl.trainer.loss import RLObjective
 
@@ -36,7 +36,7 @@ class TrainerSettings:
     token_budget: int = _RESOURCES["trainer_microbatch_tokens"].default  # tokens per rank per microbatch
     # compute dtype of the gathered parameters; masters and reduction fp32
     param_dtype: str = _MODEL["dtype"].default
-    kernels: str = _MODEL["kernels"].default  # zrl.moepp.kernels backend: auto, triton or reference
+    kernels: str = _MODEL["kernels"].default  # zrl.modeling.kernels backend: auto, triton or reference
     activation_checkpointing: bool = _RESOURCES["activation_checkpointing"].default  # recompute each layer
     # with checkpointing: every k-th layer (zrl.trainer.activations), and whether matmul outputs are kept
     activation_checkpointing_every_layers: int = _RESOURCES["activation_checkpointing_every_layers"].default
@@ -49,7 +49,7 @@ class TrainerSettings:
     # tokens per rank and RL step scored again under the previous synced version's weights (onpolicy.py); 0: off
     onpolicy_mismatch_tokens: int = _RESOURCES["trainer_onpolicy_mismatch_tokens"].default
     with_entropy: bool = True  # compute the policy entropy of response tokens for metrics
-    logprob_chunk_tokens: int | None = None  # LM-head chunk (None: zrl.moepp default)
+    logprob_chunk_tokens: int | None = None  # LM-head chunk (None: zrl.modeling default)
 
     def __post_init__(self) -> None:
         if self.param_dtype not in DTYPES:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from zrl.models import family_of_checkpoint
-from zrl.moepp import kernels
+from zrl.modeling import kernels
 from zrl.optim import MuonAdamW, lr_scheduler
 from zrl.trainer import checkpoint as ckpt
 from zrl.trainer.activations import OffloadSavedTensors, configure_checkpointing

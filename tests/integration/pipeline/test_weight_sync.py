@@ -52,6 +52,7 @@ def test_streamed_sync_equals_a_fresh_engine_and_holds_no_second_model(tmp_path,
     from pipeline_testlib import recipe_data
     from zrl.assets import build_tiny_model
     from zrl.config import parse_recipe
+    from zrl.models import ModelShape
     from zrl.pipeline.controller import trainer_settings
     from zrl.pipeline.pools import reserve_pools
     from zrl.runtime_env import actor_env, apply_defaults
@@ -73,8 +74,9 @@ def test_streamed_sync_equals_a_fresh_engine_and_holds_no_second_model(tmp_path,
         workers = start_workers(rollout_pool, model_dir, stage, count=2)
 
         config = json.loads((model_dir / "config.json").read_text())
-        batch = synthetic_train_batch(vocab_size=config["vocab_size"], num_layers=MODEL["num_hidden_layers"],
-                                      num_experts=config["num_experts"], num_groups=2, group_size=4, seed=1)
+        shape = ModelShape(vocab_size=config["vocab_size"], num_layers=MODEL["num_hidden_layers"],
+                           num_experts=config["num_experts"], experts_per_token=1, skip_class=True)
+        batch = synthetic_train_batch(vocab_size=config["vocab_size"], shape=shape, num_groups=2, group_size=4, seed=1)
         shares = split_batch(batch, len(ranks), settings.token_budget)
         ray.get([r.train_step.remote(s) for r, s in zip(ranks, shares)])  # weights now differ from model_dir
         exported = tmp_path / "exported"

@@ -17,7 +17,7 @@ from serving_testlib import make_prompts
 
 from serving.engine import SamplingConfig
 from zrl.config.schema import RLStage
-from zrl.moepp.logprobs import SamplingDistribution, filtered_out
+from zrl.modeling.logprobs import SamplingDistribution, filtered_out
 from zrl.trainer.batch import pack_rollouts
 from zrl.trainer.loss import forward_logprobs
 from zrl.trainer.settings import TrainerSettings

@@ -13,8 +13,8 @@ import math
 import torch
 from transformers import ZayaConfig, ZayaForCausalLM
 
-from zrl.moepp.checkpoint import from_hf_name
 from zrl.moepp.config import MoEPPConfig
+from zrl.moepp.family import MoEPPFamily
 from zrl.moepp.model import MoEPPForCausalLM
 
 TINY = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -77,7 +77,7 @@ def ours_from_reference(ref: ZayaForCausalLM) -> MoEPPForCausalLM:
             continue
         if "rotary_emb" in key:
             continue  # recomputed from the config, not a checkpoint tensor
-        name = from_hf_name(key)
+        name = MoEPPFamily.hf_names.param_name(key)
         ours[name].copy_(tensor)
         seen.add(name)
     assert seen == set(ours), f"not copied: {sorted(set(ours) - seen)}"

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zrl.moepp.attention import causal_attention, per_document_causal_attention, varlen_attention_applies
-from zrl.moepp.packing import build_layout
+from zrl.modeling.attention import causal_attention, per_document_causal_attention, varlen_attention_applies
+from zrl.modeling.packing import build_layout
 
 HQ, HK = 8, 2
 # ragged, with length-1 documents at the start, in the middle and at the end

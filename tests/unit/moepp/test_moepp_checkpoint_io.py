@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 from transformers import ZayaForCausalLM
 
 from moepp_testlib import ours_from_reference, random_reference, relative_error
-from zrl.moepp.checkpoint import INDEX_FILE, SINGLE_FILE, load_hf_checkpoint, save_hf_checkpoint
+from zrl.modeling.hf_io import INDEX_FILE, SINGLE_FILE
+from zrl.moepp.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 
 SKIP_BIAS = 0.05  # not the -1.0 that transformers writes back on load
 

@@ -8,7 +8,8 @@ import pytest
 from transformers import ZayaConfig
 
 from moepp_testlib import zaya_config
-from zrl.moepp.config import ConfigError, MoEPPConfig, zaya1_8b_config
+from zrl.modeling.config import ConfigError
+from zrl.moepp.config import MoEPPConfig, zaya1_8b_config
 
 
 def hf_dict(**overrides) -> dict:

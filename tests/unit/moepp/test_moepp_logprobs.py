@@ -1,7 +1,7 @@
 """Chunked fp32 LM-head log-probabilities and entropy vs the full log_softmax (values and gradients).
 
 These run the model's entry point with the default backend (the reference on CPU); the Triton
-kernel's parity with it is tested in zrl/moepp/kernels/lm_logprobs/test_lm_logprobs.py.
+kernel's parity with it is tested in zrl/modeling/kernels/lm_logprobs/test_lm_logprobs.py.
 """
 
 import math
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from moepp_testlib import ours_from_reference, random_reference
-from zrl.moepp.kernels.lm_logprobs import token_logprobs
-from zrl.moepp.logprobs import chunked_token_logprobs, default_chunk_tokens
+from zrl.modeling.kernels.lm_logprobs import token_logprobs
+from zrl.modeling.logprobs import chunked_token_logprobs, default_chunk_tokens
 
 T, D, V = 11, 8, 37
 
@@ -84,7 +84,7 @@ def test_bf16_inputs_computed_in_fp32():
 
 def test_model_entry_point_is_the_kernel_dispatcher():
     # one implementation: without a sampling distribution the model's op is the dispatcher of
-    # zrl.moepp.kernels.lm_logprobs, unchanged (the sampling distributions: test_moepp_sampling_logprobs.py)
+    # zrl.modeling.kernels.lm_logprobs, unchanged (the sampling distributions: test_moepp_sampling_logprobs.py)
     h, w, y = inputs()
     ours, theirs = chunked_token_logprobs(h, w, y, with_entropy=True), token_logprobs(h, w, y, with_entropy=True)
     for a, b in zip(ours, theirs):

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from moepp_testlib import config_of, ours_from_reference, random_reference, relative_error
-from zrl.moepp.attention import CCAProjection, apply_partial_rope, rope_cos_sin
-from zrl.moepp.packing import build_layout, cu_seqlens_from_position_ids
+from zrl.modeling.rope import apply_partial_rope, rope_cos_sin
+from zrl.moepp.cca import CCAProjection
+from zrl.modeling.packing import build_layout, cu_seqlens_from_position_ids
 
 # Lengths 1 and 2 are shorter than the conv history (P = 3 below): their whole window is padding.
 DOC_LENS = [5, 1, 2, 9, 3]

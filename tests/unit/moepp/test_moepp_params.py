@@ -6,7 +6,7 @@ from transformers import ZayaConfig, ZayaForCausalLM
 from moepp_testlib import config_of, random_reference
 from zrl.moepp.config import zaya1_8b_config
 from zrl.moepp.model import MoEPPForCausalLM
-from zrl.moepp.params import count_parameters, optimizer_param_groups
+from zrl.modeling.params import count_parameters, optimizer_param_groups
 
 
 def test_groups_cover_every_parameter_once():

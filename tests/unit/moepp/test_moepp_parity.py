@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from moepp_testlib import ours_from_reference, random_reference, relative_error
-from zrl.moepp import attention
+from zrl.moepp import cca
 from zrl.moepp.kernels.cca import cca_precondition
-from zrl.moepp.precision import FP32_OPS, Fp32Op
+from zrl.modeling.precision import FP32_OPS, Fp32Op
 
 # Tiny configs that move every part: GQA/MQA, attention biases (value bias at document starts),
 # untied head, other conv kernel sizes, full/quarter RoPE, more experts. skip_bias (the skip class's
@@ -98,7 +98,7 @@ def test_bf16_mode_keeps_fp32_ops(monkeypatch):
         q_dtypes.append(q.dtype)
         return q, k
 
-    monkeypatch.setattr(attention, "cca_precondition", recording_precondition)
+    monkeypatch.setattr(cca, "cca_precondition", recording_precondition)
 
     ids = tokens(0, (2, 29))
     with torch.no_grad():

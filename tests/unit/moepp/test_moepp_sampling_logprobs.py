@@ -4,7 +4,7 @@ The independent version is written from the definitions, token against token, wi
 floor: temperature divides the logits; min-p keeps p_j >= min_p * max p; top-k keeps a token when fewer
 than k surviving tokens are strictly more probable; top-p keeps it when the renormalised mass of the
 surviving tokens strictly more probable than it is < p; the target is always kept. Values and
-gradients of zrl.moepp.logprobs (fp32, chunked) must match it.
+gradients of zrl.modeling.logprobs (fp32, chunked) must match it.
 """
 
 import math
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from zrl.moepp.logprobs import SamplingDistribution, chunked_token_logprobs, support_floor
+from zrl.modeling.logprobs import SamplingDistribution, chunked_token_logprobs, support_floor
 
 T, D, V = 16, 8, 12
 

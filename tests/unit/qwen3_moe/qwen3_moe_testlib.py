@@ -13,8 +13,8 @@ import math
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from zrl.moepp.checkpoint import from_hf_name
 from zrl.qwen3_moe.config import Qwen3MoEConfig
+from zrl.qwen3_moe.family import Qwen3MoEFamily
 from zrl.qwen3_moe.model import Qwen3MoEForCausalLM
 
 VOCAB = 96
@@ -53,7 +53,7 @@ def ours_from_reference(ref: Qwen3MoeForCausalLM) -> Qwen3MoEForCausalLM:
     for key, tensor in ref.state_dict().items():
         if key == "lm_head.weight" and model.lm_head is None:
             continue
-        name = from_hf_name(key)
+        name = Qwen3MoEFamily.hf_names.param_name(key)
         ours[name].copy_(tensor)
         seen.add(name)
     assert seen == set(ours), f"not copied: {sorted(set(ours) - seen)}"

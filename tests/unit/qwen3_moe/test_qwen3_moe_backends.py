@@ -1,4 +1,4 @@
-"""The whole Qwen3-MoE model on zrl.moepp's Triton backend (RMSNorm incl. the per-head q/k norms, the
+"""The whole Qwen3-MoE model on zrl.modeling's Triton backend (RMSNorm incl. the per-head q/k norms, the
 experts op on the k rows per token, the LM-head log-probs) against the reference backend, both against
 a float64 copy: checkpointed layers, a dense layer, ragged documents (one of a single token)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qwen3_moe_testlib import next_token_targets, ours_from_reference, packed_documents, random_reference
-from zrl.moepp.kernels import use_backend
+from zrl.modeling.kernels import use_backend
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -7,7 +7,7 @@ from transformers import Qwen3MoeForCausalLM
 
 from qwen3_moe_testlib import next_token_targets, packed_documents
 from zrl.assets import TINY_QWEN3_MOE_CONFIG, build_tiny_qwen3_moe, is_checkpoint_dir
-from zrl.moepp.config import ConfigError
+from zrl.modeling.config import ConfigError
 from zrl.qwen3_moe import Qwen3MoEConfig, load_hf_checkpoint, save_hf_checkpoint
 
 

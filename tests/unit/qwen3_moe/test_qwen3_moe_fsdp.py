@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from qwen3_moe_testlib import next_token_targets, ours_from_reference, packed_documents, random_reference
-from zrl.moepp import optimizer_param_groups
+from zrl.modeling.params import optimizer_param_groups
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from zrl.cli import main
 from zrl.config import load_recipe
 from zrl.config.schema import Algorithm, DPPOBinaryTV, MuonSpec, Optimizer
-from zrl.models import family_of_checkpoint
+from zrl.models import family_of_checkpoint, get_family
 from zrl.moepp import load_hf_checkpoint
 from zrl.trainer import Rendezvous, TrainerSettings, TrainerWorker
 from zrl.trainer.distributed import init_process_group
@@ -48,8 +48,7 @@ def run(tiny_checkpoint, tmp_path_factory):
         worker = TrainerWorker(rendezvous, tiny_checkpoint, settings)
         ref = load_hf_checkpoint(tiny_checkpoint)
         cfg = ref.config
-        batch = synthetic_train_batch(vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
-                                      num_experts=cfg.num_experts, num_groups=2, group_size=4, trainer_step=0,
+        batch = synthetic_train_batch(vocab_size=cfg.vocab_size, shape=get_family(cfg.model_type).shape(cfg), num_groups=2, group_size=4, trainer_step=0,
                                       seed=3, model=ref, logprob_noise=0.2)
         worker.train_step(worker.share_of(batch))
         worker.save_checkpoint(root / "checkpoints" / "step_000001", data_state={"stage": "s"})

@@ -19,6 +19,7 @@ from zrl.config.schema import Algorithm, DPPOBinaryTV, MuonSpec, Optimizer
 from zrl.moepp import load_hf_checkpoint
 from zrl.trainer import TrainerSettings, TrainerWorker
 from zrl.trainer.onpolicy import SyncedShards, onpolicy_sample, response_prefix
+from zrl.models import get_family
 from zrl.trainer.synthetic import synthetic_train_batch
 from zrl.types import Rollout
 
@@ -41,8 +42,7 @@ def sampled_by(model, trainer_step: int, version: int, seed: int, noise: float =
     """A batch pulled at `trainer_step` whose every token was sampled by `version` = `model`'s weights,
     behaviour logprobs those of `model` (plus Gaussian `noise`), routing recorded as `model` routes."""
     cfg = model.config
-    batch = synthetic_train_batch(vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
-                                  num_experts=cfg.num_experts, num_groups=3, group_size=4, trainer_step=trainer_step,
+    batch = synthetic_train_batch(vocab_size=cfg.vocab_size, shape=get_family(cfg.model_type).shape(cfg), num_groups=3, group_size=4, trainer_step=trainer_step,
                                   seed=seed, model=model, logprob_noise=noise, flip_fraction=0.0)
     return dataclasses.replace(batch, groups=tuple(
         dataclasses.replace(g, rollouts=tuple(dataclasses.replace(r, version_segments=((0, version),))

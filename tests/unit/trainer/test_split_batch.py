@@ -3,13 +3,16 @@
 import numpy as np
 import pytest
 
+from zrl.models import ModelShape
 from zrl.trainer.packing import plan_ranks, split_batch
 from zrl.trainer.synthetic import synthetic_train_batch
+
+SHAPE = ModelShape(vocab_size=64, num_layers=2, num_experts=4, experts_per_token=1, skip_class=True)
 
 
 @pytest.fixture
 def batch():
-    return synthetic_train_batch(vocab_size=64, num_layers=2, num_experts=4, num_groups=5, group_size=4,
+    return synthetic_train_batch(vocab_size=64, shape=SHAPE, num_groups=5, group_size=4,
                                  trainer_step=3, seed=1, empty_responses=2)
 
 

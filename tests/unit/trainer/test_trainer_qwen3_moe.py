@@ -14,6 +14,7 @@ from zrl.assets import build_tiny_qwen3_moe
 from zrl.config.schema import Algorithm, DPPOBinaryTV, MuonSpec, Optimizer
 from zrl.qwen3_moe import load_hf_checkpoint
 from zrl.trainer import TrainerSettings, TrainerWorker
+from zrl.models import get_family
 from zrl.trainer.synthetic import synthetic_train_batch
 from zrl.types import NO_ROUTE
 
@@ -55,7 +56,7 @@ def perturbed_records(batch, config, fraction=0.25, seed=0):
 
 def qwen_batch(model, trainer_step=0):
     cfg = model.config
-    batch = synthetic_train_batch(vocab_size=cfg.vocab_size, num_layers=cfg.routing_width, num_experts=cfg.num_experts,
+    batch = synthetic_train_batch(vocab_size=cfg.vocab_size, shape=get_family(cfg.model_type).shape(cfg),
                                   num_groups=3, group_size=4, trainer_step=trainer_step, seed=3, model=model,
                                   flip_fraction=0.0, logprob_noise=0.2)
     return perturbed_records(batch, cfg)

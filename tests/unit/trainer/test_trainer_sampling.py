@@ -6,11 +6,12 @@ import torch
 
 from zrl.config.schema import RLStage, SFTStage
 from zrl.moepp import load_hf_checkpoint
-from zrl.moepp.logprobs import SamplingDistribution
+from zrl.modeling.logprobs import SamplingDistribution
 from zrl.trainer.batch import pack_rollouts
 from zrl.trainer.packing import input_length, plan_rank
 from zrl.trainer.loss import RLObjective, rl_microbatch_loss
 from zrl.trainer.settings import TrainerSettings
+from zrl.models import get_family
 from zrl.trainer.synthetic import synthetic_train_batch
 
 ENVIRONMENTS = [{"name": "arithmetic"}]
@@ -33,8 +34,7 @@ def test_stage_sampling_reaches_the_objective():
 def test_rl_loss_takes_logprobs_under_the_objectives_distribution(tiny_checkpoint):
     model = load_hf_checkpoint(tiny_checkpoint)
     cfg = model.config
-    batch = synthetic_train_batch(vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
-                                  num_experts=cfg.num_experts, num_groups=2, group_size=3, seed=5, model=model)
+    batch = synthetic_train_batch(vocab_size=cfg.vocab_size, shape=get_family(cfg.model_type).shape(cfg), num_groups=2, group_size=3, seed=5, model=model)
     rollouts = batch.rollouts()
     lengths = [input_length(len(r.prompt_ids), len(r.token_ids)) for r in rollouts]
     [indices, *_] = plan_rank(lengths, 0, 1, 4096).microbatches

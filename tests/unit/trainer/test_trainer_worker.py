@@ -7,10 +7,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from zrl.config.schema import Algorithm, DPPOBinaryTV, EnvironmentSpec, MuonSpec, Optimizer, RLStage, Sampling
-from zrl.moepp import load_hf_checkpoint, optimizer_param_groups
+from zrl.modeling.params import optimizer_param_groups
+from zrl.moepp import load_hf_checkpoint
 from zrl.optim import MuonAdamW
 from zrl.trainer import Rendezvous, TrainerSettings, TrainerWorker
 from zrl.trainer.activations import OffloadSavedTensors
+from zrl.models import get_family
 from zrl.trainer.synthetic import synthetic_train_batch
 
 from trainer_testlib import assert_grads_close, reference
@@ -29,8 +31,7 @@ def settings(**overrides):
 
 def make_batch(model, trainer_step=0, seed=3, **kw):
     cfg = model.config
-    return synthetic_train_batch(vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
-                                 num_experts=cfg.num_experts, num_groups=3, group_size=4, trainer_step=trainer_step,
+    return synthetic_train_batch(vocab_size=cfg.vocab_size, shape=get_family(cfg.model_type).shape(cfg), num_groups=3, group_size=4, trainer_step=trainer_step,
                                  seed=seed, model=model, logprob_noise=0.2, **kw)
 
 

@@ -21,6 +21,7 @@ from zrl.config import parse_recipe
 from zrl.moepp import load_hf_checkpoint
 from zrl.pipeline.controller import trainer_settings
 from zrl.trainer import TrainerWorker
+from zrl.models import get_family
 from zrl.trainer.synthetic import synthetic_train_batch
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -46,7 +47,7 @@ def rl_steps(checkpoint, rendezvous, settings, steps: int):
         embed=worker.model.embed_tokens.weight.grad.full_tensor().clone()))
     before = embedding(worker)
     for step in range(steps):
-        batch = synthetic_train_batch(vocab_size=USED, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_experts,
+        batch = synthetic_train_batch(vocab_size=USED, shape=get_family(cfg.model_type).shape(cfg),
                                       num_groups=4, group_size=4, trainer_step=step, seed=step, model=model,
                                       logprob_noise=0.05)
         worker.train_step(worker.share_of(batch))

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from zrl.moepp import load_hf_checkpoint
+from zrl.models import get_family
 from zrl.trainer.synthetic import synthetic_train_batch
 
 # Packed vs per-rollout gradients differ only by fp32 summation order. Per tensor the worst case is
@@ -78,7 +79,6 @@ def tiny_model_and_batch(checkpoint, **batch_options):
     model's own plus noise (0.2); `batch_options` go to synthetic_train_batch."""
     model = load_hf_checkpoint(checkpoint)
     cfg = model.config
-    batch = synthetic_train_batch(vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers,
-                                  num_experts=cfg.num_experts, trainer_step=1, model=model, logprob_noise=0.2,
+    batch = synthetic_train_batch(vocab_size=cfg.vocab_size, shape=get_family(cfg.model_type).shape(cfg), trainer_step=1, model=model, logprob_noise=0.2,
                                   **batch_options)
     return model, batch

@@ -1,4 +1,4 @@
-"""Compile every Triton kernel of zrl.moepp.kernels for sm_90a (H100/H200) on a machine without a GPU.
+"""Compile every Triton kernel of zrl.modeling.kernels and zrl.moepp.kernels for sm_90a (H100/H200) on a machine without a GPU.
 
 Responsibility: catch what Triton's CPU interpreter cannot (tl.dot shape/dtype rules, constexpr misuse,
 lowering errors, ptxas failures) and report each kernel's registers, spills, shared memory and tensor-core
@@ -168,7 +168,7 @@ def specialise(launch: Launch, target=None) -> Specialisation:
 
 
 def kernel_name(kernel) -> str:
-    """"<op>.<kernel function>" of a JITFunction of zrl.moepp.kernels.<op>."""
+    """"<op>.<kernel function>" of a JITFunction of zrl.modeling.kernels.<op> or zrl.moepp.kernels.<op>."""
     return f"{kernel.fn.__module__.split('.')[-2]}.{kernel.fn.__name__}"
 
 

@@ -3,7 +3,7 @@
 Responsibility: one `drive_<op>` per op, running its launcher forward and backward on meta tensors
 (shapes and dtypes, no storage) with the CUDA tile configuration unless a test's own is given, and
 DRIVERS: the production shapes (ZAYA1-8B, T = 4096) and every shape / tile configuration / dtype
-that a CUDA (`gpu`) case of the kernels' tests (zrl/moepp/kernels/*/test_*.py; every test taking the
+that a CUDA (`gpu`) case of the kernels' tests (zrl/modeling/kernels/*/test_*.py, zrl/moepp/kernels/*/test_*.py; every test taking the
 `device` fixture has one) launches. A `gpu` test whose specialisation is not driven here reaches a
 GPU uncompiled: keep the lists in step with the tests.
 
@@ -50,7 +50,7 @@ def _backward(outputs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor]) -> 
 def drive_experts(dtype: torch.dtype, t: int = TOKENS, d: int = ZAYA1["D"], f: int = ZAYA1["F"],
                   e: int = ZAYA1["E"], config=None) -> None:
     """Forward + backward, then the no-grad forward (SAVE_GU=False)."""
-    from zrl.moepp.kernels.experts.triton_kernel import KernelConfig, moe_experts_triton
+    from zrl.modeling.kernels.experts.triton_kernel import KernelConfig, moe_experts_triton
 
     cfg = config or KernelConfig.for_device(CUDA, dtype)
     x = _meta(t, d, dtype=dtype, grad=True)
@@ -85,7 +85,7 @@ def drive_residual_norm(dtype: torch.dtype, t: int = TOKENS, d: int = ZAYA1["D"]
     """Forward + backward of `modes`: "add_norm" (scaling + norm), "add" (scaling alone), "norm"
     (rms_norm), the residual in fp32 as in the model; with `single_outputs` also add_norm's backward
     of x alone and of normed alone."""
-    from zrl.moepp.kernels.residual_norm.triton_kernel import rms_norm, scaled_residual_add_rmsnorm
+    from zrl.modeling.kernels.residual_norm.triton_kernel import rms_norm, scaled_residual_add_rmsnorm
 
     param_dtype = param_dtype or dtype
     branch = _meta(t, d, dtype=dtype, grad=True)
@@ -106,7 +106,7 @@ def drive_residual_norm(dtype: torch.dtype, t: int = TOKENS, d: int = ZAYA1["D"]
 
 
 def drive_rms_norm(dtype: torch.dtype, t: int, d: int, weight_dtype=fp32) -> None:
-    from zrl.moepp.kernels.residual_norm.triton_kernel import rms_norm
+    from zrl.modeling.kernels.residual_norm.triton_kernel import rms_norm
 
     x, w = _meta(t, d, dtype=dtype, grad=True), _meta(d, dtype=weight_dtype, grad=True)
     _backward((rms_norm(x, w, 1e-5),), [x, w])
@@ -135,7 +135,7 @@ def drive_lm_logprobs(hidden_dtype: torch.dtype, weight_dtype: torch.dtype, t: i
                       d: int = ZAYA1["D"], v: int = ZAYA1["V"], floor: bool = False, config=None) -> None:
     """Without and with entropy, forward + backward, through the public launcher with the CUDA tiles
     (or `config`); `floor`: with a per-token logit floor."""
-    from zrl.moepp.kernels.lm_logprobs import triton_kernel as lm
+    from zrl.modeling.kernels.lm_logprobs import triton_kernel as lm
 
     hidden = _meta(t, d, dtype=hidden_dtype, grad=True)
     weight = _meta(v, d, dtype=weight_dtype, grad=True)
@@ -172,8 +172,8 @@ def _production() -> list[Driver]:
 
 # The CUDA cases of the tests, as (label, keyword arguments of the op's driver). Labels name the test.
 def _experts_cases() -> list[tuple[str, dict]]:
-    from zrl.moepp.kernels.experts import test_experts
-    from zrl.moepp.kernels.experts.triton_kernel import KernelConfig
+    from zrl.modeling.kernels.experts import test_experts
+    from zrl.modeling.kernels.experts.triton_kernel import KernelConfig
 
     shapes = [*test_experts.SHAPES,  # (T, D, F, E) of test_parity_random_routing
         (40, 32, 48, 4), (64, 32, 48, 4), (2, 32, 48, 4),  # test_parity_edge_routing
@@ -258,7 +258,7 @@ def _cca_cases() -> list[tuple[str, dict]]:
 
 
 def _lm_logprobs_cases() -> list[tuple[str, dict]]:
-    from zrl.moepp.kernels.lm_logprobs.triton_kernel import TileConfig
+    from zrl.modeling.kernels.lm_logprobs.triton_kernel import TileConfig
 
     cases = [(f"test T={t} D={d} V={v}", dict(hidden_dtype=fp32, weight_dtype=fp32, t=t, d=d, v=v))
              for t in (1, 9, 40) for d in (16, 48) for v in (10, 64, 100)]  # test_parity_forward_backward

@@ -10,9 +10,9 @@ import copy
 
 import torch
 
-from zrl.moepp import kernels
+from zrl.modeling import kernels
 from zrl.moepp.config import MoEPPConfig
-from zrl.moepp.kernels import AUTO_ON_CUDA, use_backend
+from zrl.modeling.kernels import AUTO_ON_CUDA, use_backend
 from zrl.moepp.model import MoEPPForCausalLM
 from zrl.types import NO_ROUTE
 

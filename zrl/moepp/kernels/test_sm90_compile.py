@@ -88,7 +88,7 @@ def test_every_launch_compiles_for_sm90a(results):
 
 @pytest.mark.slow
 def test_matmul_kernels_use_tensor_cores_on_the_trainer_path(results):
-    from zrl.moepp.kernels import AUTO_ON_CUDA
+    from zrl.modeling.kernels import AUTO_ON_CUDA
 
     for kernel in NOT_ON_TENSOR_CORES:
         op = kernel.split(".")[0]

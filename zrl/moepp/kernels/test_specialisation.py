@@ -28,7 +28,7 @@ ONE_COUNT = [4096]
 _SCRIPT = """
 import json, sys
 from zrl.moepp.kernels import sm90_check
-from zrl.moepp.kernels.lm_logprobs import triton_kernel as lm
+from zrl.modeling.kernels.lm_logprobs import triton_kernel as lm
 from zrl.moepp.kernels.sm90_drivers import token_drivers
 
 lm._sm_count = lambda index: 132  # an H100's SMs: the vocabulary splits a GPU would take for each T

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from zrl.moepp.kernels import get_backend, use_triton
+from zrl.modeling.kernels import get_backend, use_triton
 from zrl.moepp.kernels.cca import reference
 
 

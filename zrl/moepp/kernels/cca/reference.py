@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zrl.moepp.precision import Fp32Op, to_op_dtype
+from zrl.modeling.precision import Fp32Op, to_op_dtype
+from zrl.modeling.rope import apply_partial_rope
 
 
 def mean_skip(q: torch.Tensor, k: torch.Tensor, num_q_heads: int, num_kv_heads: int,
@@ -84,16 +85,6 @@ def qk_norm(q: torch.Tensor, k: torch.Tensor, temp: torch.Tensor) -> tuple[torch
     q = q * (scale / q.norm(dim=-1, keepdim=True).clamp_min(eps))
     k = k * (scale / k.norm(dim=-1, keepdim=True).clamp_min(eps))
     return q, k * to_op_dtype(temp, Fp32Op.QK_NORM)[None, :, None]
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first 2 * cos.shape[-1] channels of x [T, H, d]; the rest pass through."""
-    half = cos.shape[-1]
-    if half == 0:
-        return x
-    x1, x2, rest = x[..., :half], x[..., half: 2 * half], x[..., 2 * half:]
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
 def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor,

@@ -13,11 +13,12 @@ import math
 import pytest
 import torch
 
-from zrl.moepp.attention import CCAttention, rope_cos_sin
+from zrl.modeling.rope import rope_cos_sin
+from zrl.moepp.cca import CCAttention
 from zrl.moepp.config import MoEPPConfig
-from zrl.moepp.kernels import use_backend
+from zrl.modeling.kernels import use_backend
 from zrl.moepp.kernels.cca import cca_precondition, reference
-from zrl.moepp.packing import build_layout
+from zrl.modeling.packing import build_layout
 
 # Tolerances, relative to the largest magnitude of the compared tensor (outputs are O(sqrt(d)), so
 # this is a few fp32 ulps of the largest entry). Measured over every op-level case below on the CPU

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zrl.moepp.kernels import interpreting
+from zrl.modeling.kernels import interpreting
 
 _EPS = torch.finfo(torch.float32).eps
 # 8 warps (with block_t 32): the fp32 [BLOCK_T, d] x [d, d] dots run on FMA units and keep whole d = 128

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from zrl.moepp.kernels import use_triton
+from zrl.modeling.kernels import use_triton
 from zrl.moepp.kernels.router.reference import route_from_logits, router_logits
 from zrl.moepp.kernels.router.reference import route as route_reference
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zrl.moepp.kernels.residual_norm.reference import rms_norm
-from zrl.moepp.precision import Fp32Op, to_op_dtype
+from zrl.modeling.kernels.residual_norm.reference import rms_norm
+from zrl.modeling.precision import Fp32Op, to_op_dtype
 from zrl.types import NO_ROUTE
 
 

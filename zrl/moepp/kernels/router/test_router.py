@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 
-from zrl.moepp.kernels import use_backend
+from zrl.modeling.kernels import use_backend
 from zrl.moepp.kernels.router import reference as ref
 from zrl.moepp.kernels.router import route, route_from_logits, router_logits
 from zrl.types import NO_ROUTE

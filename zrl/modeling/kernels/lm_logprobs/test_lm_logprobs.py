@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
-from zrl.moepp.kernels import use_backend
-from zrl.moepp.kernels.lm_logprobs import token_logprobs
-from zrl.moepp.kernels.lm_logprobs.library import token_logprobs_library
-from zrl.moepp.kernels.lm_logprobs.reference import token_logprobs_reference
-from zrl.moepp.kernels.lm_logprobs.triton_kernel import TileConfig, token_logprobs_triton
+from zrl.modeling.kernels import use_backend
+from zrl.modeling.kernels.lm_logprobs import token_logprobs
+from zrl.modeling.kernels.lm_logprobs.library import token_logprobs_library
+from zrl.modeling.kernels.lm_logprobs.reference import token_logprobs_reference
+from zrl.modeling.kernels.lm_logprobs.triton_kernel import TileConfig, token_logprobs_triton
 
 # fp32: measured max abs differences over the shape grid and gradient modes below (CPU interpreter,
 # 2026-11-21): logprob 2.9e-6 (values up to 18), entropy 1.8e-6 (up to 3.4), grad hidden 5.5e-6 (up to

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from zrl.moepp import kernels
-from zrl.moepp.kernels.residual_norm import reference
+from zrl.modeling import kernels
+from zrl.modeling.kernels.residual_norm import reference
 
 __all__ = ["rms_norm", "scaled_residual_add_rmsnorm"]
 
@@ -49,7 +49,7 @@ def scaled_residual_add_rmsnorm(
         if v is not None:
             _check_vector(name, v, dim)
     if use_triton(branch):
-        from zrl.moepp.kernels.residual_norm.triton_kernel import scaled_residual_add_rmsnorm as fused
+        from zrl.modeling.kernels.residual_norm.triton_kernel import scaled_residual_add_rmsnorm as fused
         return fused(branch, residual, hs_scale, hs_bias, res_scale, res_bias, norm_weight, eps)
     return reference.scaled_residual_add_rmsnorm(branch, residual, hs_scale, hs_bias, res_scale, res_bias,
                                                  norm_weight, eps)
@@ -61,6 +61,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError("rms_norm needs a [..., C] tensor, got a scalar")
     _check_vector("weight", weight, x.shape[-1])
     if use_triton(x):
-        from zrl.moepp.kernels.residual_norm.triton_kernel import rms_norm as fused
+        from zrl.modeling.kernels.residual_norm.triton_kernel import rms_norm as fused
         return fused(x, weight, eps)
     return reference.rms_norm(x, weight, eps)

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zrl.moepp import kernels
-from zrl.moepp.kernels import (AUTO_ON_CUDA, CHOICES, get_backend, resolve, set_backend, use_backend,
-                               use_triton)
+from zrl.modeling import kernels
+from zrl.modeling.kernels import (AUTO_ON_CUDA, CHOICES, get_backend, resolve, set_backend, use_backend,
+                                  use_triton)
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +42,10 @@ def test_unknown_names_are_rejected(monkeypatch):
 
 
 def test_auto_table_names_every_kernel_folder():
-    folders = {p.parent.name for p in Path(kernels.__file__).parent.glob("*/triton_kernel.py")}
+    import zrl.moepp.kernels as moepp_kernels
+
+    folders = {p.parent.name for package in (kernels, moepp_kernels)
+               for p in Path(package.__file__).parent.glob("*/triton_kernel.py")}
     assert set(AUTO_ON_CUDA) == folders
     assert set(AUTO_ON_CUDA.values()) <= set(CHOICES)
 

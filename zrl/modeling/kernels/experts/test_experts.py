@@ -17,11 +17,11 @@ import math
 import pytest
 import torch
 
-import zrl.moepp.kernels.experts as experts_op
-from zrl.moepp.kernels import use_backend
-from zrl.moepp.kernels.experts import grouped_mm, moe_experts
-from zrl.moepp.kernels.experts.grouped_mm import moe_experts_grouped_mm
-from zrl.moepp.kernels.experts.reference import moe_experts_reference
+import zrl.modeling.kernels.experts as experts_op
+from zrl.modeling.kernels import use_backend
+from zrl.modeling.kernels.experts import grouped_mm, moe_experts
+from zrl.modeling.kernels.experts.grouped_mm import moe_experts_grouped_mm
+from zrl.modeling.kernels.experts.reference import moe_experts_reference
 
 # fp32, measured max |triton - reference| / max |reference| over the parity cases of this file
 # (interpreter, 2026-11-21): 3.6e-7 (y), 3.9e-7 (dx), 6.1e-7 (dgate), 4.0e-7 (dW_gu), 4.2e-7 (dW_down);
@@ -110,7 +110,7 @@ def test_all_tokens_skipped(device, triton_only):
 
 
 def test_other_tile_sizes_and_strided_input(device, triton_backend):
-    from zrl.moepp.kernels.experts.triton_kernel import KernelConfig, moe_experts_triton
+    from zrl.modeling.kernels.experts.triton_kernel import KernelConfig, moe_experts_triton
     cfg = KernelConfig(block_m=32, block_n=32, block_k=16, block_r=32, num_warps=4, num_stages=2)
     leaves, ids, dy = make_inputs(64, 48, 48, 3, random_ids(64, 3, seed=5), device)
     wide = torch.randn(64, 96, device=device)
@@ -160,7 +160,7 @@ def test_deterministic(device, triton_only):
 
 
 def test_auto_backend_uses_reference_on_cpu(monkeypatch):
-    from zrl.moepp.kernels.experts import triton_kernel
+    from zrl.modeling.kernels.experts import triton_kernel
 
     def not_reference(*args, **kwargs):
         raise AssertionError("auto picked Triton or grouped_mm for a CPU tensor")
@@ -200,7 +200,7 @@ def test_bad_inputs_raise(bad):
     ("num_stages", 0, "num_stages must be >= 1"),
 ])
 def test_config_rejects_tiles_triton_cannot_compile(field, value, message):
-    from zrl.moepp.kernels.experts.triton_kernel import KernelConfig
+    from zrl.modeling.kernels.experts.triton_kernel import KernelConfig
 
     with pytest.raises(ValueError, match=f"KernelConfig.{message}"):
         KernelConfig(**{field: value})
@@ -243,12 +243,12 @@ def test_model_with_other_experts_matches_reference(monkeypatch, path):
     """A tiny MoE++ model, checkpointed layers, packed documents: swapping only the experts to the
     Triton or the grouped_mm path (other ops stay reference) gives the same log-probs and parameter
     gradients."""
-    import zrl.moepp.experts as model_experts
+    import zrl.modeling.experts as model_experts
     from zrl.moepp.config import MoEPPConfig
     from zrl.moepp.model import MoEPPForCausalLM
 
     if path == "triton":
-        from zrl.moepp.kernels.experts.triton_kernel import moe_experts_triton as other
+        from zrl.modeling.kernels.experts.triton_kernel import moe_experts_triton as other
     else:
         if not grouped_mm.available():
             pytest.skip(f"torch {torch.__version__} has no CPU torch._grouped_mm")

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from zrl.moepp import kernels
-from zrl.moepp.kernels.experts import grouped_mm
-from zrl.moepp.kernels.experts.reference import check_inputs, moe_experts_reference
+from zrl.modeling import kernels
+from zrl.modeling.kernels.experts import grouped_mm
+from zrl.modeling.kernels.experts.reference import check_inputs, moe_experts_reference
 
 __all__ = ["moe_experts", "moe_experts_reference"]
 
@@ -27,7 +27,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate: torch.Tensor,
     check_inputs(x, expert_ids, gate, gate_up_proj, down_proj)
     choice = kernels.resolve("experts", x)
     if choice == "triton":
-        from zrl.moepp.kernels.experts.triton_kernel import moe_experts_triton
+        from zrl.modeling.kernels.experts.triton_kernel import moe_experts_triton
         return moe_experts_triton(x, expert_ids, gate, gate_up_proj, down_proj)
     if choice == "library" and grouped_mm.unsupported_reason(x, gate_up_proj, down_proj) is None:
         return grouped_mm.moe_experts_grouped_mm(x, expert_ids, gate, gate_up_proj, down_proj)

@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from zrl.moepp.kernels import use_backend
-from zrl.moepp.kernels.residual_norm import reference, rms_norm, scaled_residual_add_rmsnorm
+from zrl.modeling.kernels import use_backend
+from zrl.modeling.kernels.residual_norm import reference, rms_norm, scaled_residual_add_rmsnorm
 
 # fp32 outputs and gradients: measured <= 3.0e-7 (interpreter); the margin covers the GPU, where FMA
 # contraction, rsqrt.approx and a different reduction tree each move results by a few fp32 ulps.
@@ -71,7 +71,7 @@ def _run(op, tensors, eps, grad_x, grad_y, **kwargs):
 def _compare(tensors, eps, *, grad_x=True, grad_y=True, **kwargs):
     """Triton (kwargs: block sizes) vs reference on the same inputs and output gradients; each
     gradient to the tolerance of its dtype (outputs are fp32)."""
-    from zrl.moepp.kernels.residual_norm import triton_kernel
+    from zrl.modeling.kernels.residual_norm import triton_kernel
 
     branch, norm = tensors[0], tensors[6] is not None
     gen = torch.Generator().manual_seed(1)
@@ -214,7 +214,7 @@ def test_no_tokens(device, triton_backend):
 
 
 def test_dispatch_follows_backend(monkeypatch, device):
-    from zrl.moepp.kernels.residual_norm import triton_kernel
+    from zrl.modeling.kernels.residual_norm import triton_kernel
 
     calls = []
     real = triton_kernel.scaled_residual_add_rmsnorm
@@ -243,7 +243,7 @@ def test_bad_shapes_are_rejected():
     (dict(num_partials=0), "num_partials must be >= 1"),
 ])
 def test_launcher_rejects_tiles_triton_cannot_compile(tiles, message):
-    from zrl.moepp.kernels.residual_norm import triton_kernel
+    from zrl.modeling.kernels.residual_norm import triton_kernel
 
     tensors = _inputs(3, 16, "cpu")
     with pytest.raises(ValueError, match=message):
@@ -255,7 +255,8 @@ def test_launcher_rejects_tiles_triton_cannot_compile(tiles, message):
 def test_modules_fused_call(device, triton_backend):
     """The decoder layer's fused call through ResidualScaling.add_and_norm puts the gradients on the
     modules' own (checkpoint-named) parameters, equal to the unfused reference modules."""
-    from zrl.moepp.blocks import ResidualScaling, RMSNorm
+    from zrl.modeling.blocks import RMSNorm
+    from zrl.moepp.blocks import ResidualScaling
 
     dim = 48
     tensors = _inputs(5, dim, device, seed=17)
@@ -296,9 +297,9 @@ def test_model_with_fused_norms(monkeypatch):
     reference) against the all-reference model: log-probs and every parameter gradient.
     Measured: log-probs 0 to 4.8e-7 of the max; gradients <= 1.1e-7 of the model's largest gradient;
     the norm / residual-scaling parameters' own gradients <= 5.5e-7 of their max (routing pinned)."""
-    from zrl.moepp import kernels
+    from zrl.modeling import kernels
     from zrl.moepp.config import MoEPPConfig
-    from zrl.moepp.kernels import residual_norm
+    from zrl.modeling.kernels import residual_norm
     from zrl.moepp.model import MoEPPForCausalLM
 
     config = MoEPPConfig(vocab_size=96, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,

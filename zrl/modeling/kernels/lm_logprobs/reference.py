@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from zrl.moepp.precision import Fp32Op, to_op_dtype
+from zrl.modeling.precision import Fp32Op, to_op_dtype
 
 # Target chunk: c x V fp32 logits of about 256 MiB (c = 256 for the 262k Gemma3 vocabulary).
 _CHUNK_BYTES = 1 << 28

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from zrl.moepp.kernels.lm_logprobs.reference import _ChunkedTokenLogprobs
+from zrl.modeling.kernels.lm_logprobs.reference import _ChunkedTokenLogprobs
 
 _CHUNK_BYTES = 1 << 30
 

@@ -3,8 +3,8 @@ rollout engine samples from.
 
 `chunked_token_logprobs` computes hidden [T, D] x weight [V, D] -> logprob [T] (and entropy [T]) in
 fp32 (LM_HEAD, LOGPROB of the FP32 op set) without materialising [T, V] logits in fp32: it is the LM
-head + log-softmax gather op of zrl.moepp.kernels.lm_logprobs (fused Triton kernels on CUDA, the chunked
-PyTorch reference that defines the result elsewhere; switch: zrl.moepp.kernels, ZRL_KERNELS), applied
+head + log-softmax gather op of zrl.modeling.kernels.lm_logprobs (fused Triton kernels on CUDA, the chunked
+PyTorch reference that defines the result elsewhere; switch: zrl.modeling.kernels, ZRL_KERNELS), applied
 to the distribution named by a `SamplingDistribution`.
 
 Why: the importance ratios, trust-region masks and mismatch metrics of RL compare the trainer's log p
@@ -29,7 +29,7 @@ token was not sampled with. The reproduction is two small pieces:
 - filters: every step keeps the tokens whose tempered logit is at least a per-token threshold (up to
   ties, below). `support_floor` replays vLLM's steps on chunks of fp32 logits (no gradient) and returns
   each token's floor half-way between its smallest kept and largest dropped logit; the logprob op then
-  normalises over the logits not below the floor (zrl.moepp.kernels.lm_logprobs, `logit_floor`). The
+  normalises over the logits not below the floor (zrl.modeling.kernels.lm_logprobs, `logit_floor`). The
   half-way point keeps the support stable under the ~1e-6 differences between two computations of the
   same logits (the Triton kernel sums in another order than the floor pass).
 The support is a constant of the step (no gradient flows into the floor): d log p(y) / dz = onehot(y) - p
@@ -55,11 +55,11 @@ import dataclasses
 
 import torch
 
-from zrl.moepp import kernels
-from zrl.moepp.kernels.lm_logprobs import default_chunk_tokens, token_logprobs
-from zrl.moepp.kernels.lm_logprobs.library import SplitProducts
-from zrl.moepp.kernels.lm_logprobs.reference import Fp32Products
-from zrl.moepp.precision import Fp32Op, to_op_dtype
+from zrl.modeling import kernels
+from zrl.modeling.kernels.lm_logprobs import default_chunk_tokens, token_logprobs
+from zrl.modeling.kernels.lm_logprobs.library import SplitProducts
+from zrl.modeling.kernels.lm_logprobs.reference import Fp32Products
+from zrl.modeling.precision import Fp32Op, to_op_dtype
 
 __all__ = ["SamplingDistribution", "chunked_token_logprobs", "default_chunk_tokens", "filtered_out",
            "support_floor"]

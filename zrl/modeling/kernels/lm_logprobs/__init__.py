@@ -1,6 +1,6 @@
 """LM head + log-softmax gather: per-token log-probabilities (and entropy) without [T, V] logits.
 
-`token_logprobs` is the public op; it validates its inputs and dispatches (zrl.moepp.kernels) to
+`token_logprobs` is the public op; it validates its inputs and dispatches (zrl.modeling.kernels) to
 the chunked PyTorch reference (reference.py, the definition: [c, V] fp32 blocks), its library
 formulation (library.py: the same chunks with every product a sum of bf16 cuBLAS GEMMs on exact bf16
 parts of the fp32 operands; what "auto" runs on CUDA) or the fused Triton kernels (triton_kernel.py:
@@ -10,7 +10,7 @@ the same parts in tensor-core dots, the vocabulary streamed in tiles with an onl
 chunked paths' blocks (the Triton path never holds more than one [BLOCK_T, BLOCK_V] tile per program).
 
 An optional per-token logit floor restricts each token's softmax to the logits not below it (and its
-target): the primitive under which zrl.moepp.logprobs reproduces a sampler's top-k / top-p / min-p
+target): the primitive under which zrl.modeling.logprobs reproduces a sampler's top-k / top-p / min-p
 distribution. Where the floor comes from is not this op's business.
 """
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from zrl.moepp import kernels
-from zrl.moepp.kernels.lm_logprobs.library import token_logprobs_library
-from zrl.moepp.kernels.lm_logprobs.reference import default_chunk_tokens, token_logprobs_reference
+from zrl.modeling import kernels
+from zrl.modeling.kernels.lm_logprobs.library import token_logprobs_library
+from zrl.modeling.kernels.lm_logprobs.reference import default_chunk_tokens, token_logprobs_reference
 
 __all__ = ["default_chunk_tokens", "token_logprobs"]
 
@@ -54,7 +54,7 @@ def token_logprobs(
     targets = targets.to(torch.int64)
     choice = kernels.resolve("lm_logprobs", hidden)
     if choice == "triton":
-        from zrl.moepp.kernels.lm_logprobs.triton_kernel import token_logprobs_triton
+        from zrl.modeling.kernels.lm_logprobs.triton_kernel import token_logprobs_triton
 
         logprob, entropy = token_logprobs_triton(hidden, weight, targets, with_entropy=with_entropy,
                                                  floor=logit_floor)

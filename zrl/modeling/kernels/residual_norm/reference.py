@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from zrl.moepp.precision import Fp32Op, to_op_dtype
+from zrl.modeling.precision import Fp32Op, to_op_dtype
 
 
 def residual_scaling(branch: torch.Tensor, residual: torch.Tensor, hs_scale: torch.Tensor,

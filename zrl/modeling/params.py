@@ -1,11 +1,11 @@
-"""Optimizer parameter groups and parameter accounting of the MoE++ model.
+"""Optimizer parameter groups and parameter accounting of a model (every family's).
 
 Grouping (the AMD platform paper §IV-B, the ZAYA1-8B report §IV-E; docs/algorithms.md §5): Muon for
 matrix-valued hidden weights — every `nn.Linear` weight inside the decoder layers (q/k/v/o
 projections, router down-projection and router MLP) and the 3-D expert tensors (E matrices each); AdamW for everything else —
 embeddings, an untied LM head, all 1-D parameters (norms, biases, residual scales, key temperatures,
 EDA coefficients) and the CCA convolution kernels. Balancing biases are buffers, not parameters:
-they belong to routing.BiasBalancer.
+they belong to MoE++'s routing.BiasBalancer.
 
 Works on the meta device (for counting) and on FSDP2-wrapped models (names are unchanged).
 """
@@ -16,7 +16,7 @@ import dataclasses
 
 from torch import nn
 
-from zrl.moepp.experts import SwiGLUExperts
+from zrl.modeling.experts import SwiGLUExperts
 
 
 def optimizer_param_groups(model: nn.Module) -> dict[str, dict[str, nn.Parameter]]:
@@ -40,7 +40,7 @@ class ParameterCounts:
     total: int  # every parameter once (the tied embedding/LM head counted once)
     embedding: int  # embedding matrix (+ an untied LM head)
     expert: int  # all expert weights of all layers
-    active: int  # used per token under top-1 routing: total - (E - 1)/E of the expert weights
+    active: int  # used per token under top-k routing: total - (E - k)/E of the expert weights
 
     @property
     def non_embedding(self) -> int:
@@ -51,11 +51,12 @@ class ParameterCounts:
         return self.active - self.embedding
 
 
-def count_parameters(model: nn.Module) -> ParameterCounts:
-    """Parameter counts of a MoEPPForCausalLM (meta-device models included)."""
+def count_parameters(model: nn.Module, *, experts_per_token: int = 1) -> ParameterCounts:
+    """Parameter counts of a model with `embed_tokens`, `lm_head` (None when tied), `config.num_experts`
+    and SwiGLUExperts, of which a token uses `experts_per_token` (meta-device models included)."""
     num_experts = model.config.num_experts
     total = sum(p.numel() for p in model.parameters())
     embedding = model.embed_tokens.weight.numel() + (0 if model.lm_head is None else model.lm_head.weight.numel())
     expert = sum(p.numel() for m in model.modules() if isinstance(m, SwiGLUExperts) for p in m.parameters())
-    inactive = expert // num_experts * (num_experts - 1)
+    inactive = expert // num_experts * (num_experts - experts_per_token)
     return ParameterCounts(total=total, embedding=embedding, expert=expert, active=total - inactive)

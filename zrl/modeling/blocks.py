@@ -1,0 +1,35 @@
+"""Small building blocks every model shares: RMSNorm and a linear layer in its weights' dtype.
+
+RMSNorm runs in fp32 whatever the weight dtype (RMSNORM of the FP32 op set, precision.py): it returns
+fp32 and the consumer casts to its compute dtype. Its parameter is `weight`, as in Hugging Face
+checkpoints. The math lives in the fused op `zrl.modeling.kernels.residual_norm` (Triton kernel or its
+PyTorch reference, by backend); the module holds the parameter and calls it, so the checkpoint layout is
+the same on every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zrl.modeling.kernels.residual_norm import rms_norm
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, statistics and product in fp32. x: [..., C] -> fp32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """`layer(x)` in the layer's weight dtype (the compute dtype), whatever dtype `x` arrives in."""
+    return layer(x.to(layer.weight.dtype))

@@ -1,0 +1,30 @@
+"""What every family's config parser shares: the error naming an unsupported key, and the rule for the
+keys a parser does not read.
+
+A family parses a Hugging Face config.json into a frozen dataclass holding exactly the numbers its model
+uses; anything it cannot run exactly raises `ConfigError` naming the key, so a checkpoint never loads
+into a silently different model. Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A config that this implementation cannot run exactly; the message names the key."""
+
+
+def leftover_keys(cfg: dict[str, Any], ignored: frozenset[str], strict: bool, model_type: str) -> dict[str, Any]:
+    """What a config parser leaves in `cfg`: the `ignored` keys, returned to pass through to config.json;
+    any other key raises ConfigError (strict) or is logged and dropped."""
+    passthrough = {key: cfg.pop(key) for key in list(cfg) if key in ignored}
+    if cfg:
+        if strict:
+            raise ConfigError(f"unsupported config key(s) {sorted(cfg)}: this implementation does not know "
+                              f"what they change (pass strict=False to ignore them)")
+        logger.warning("ignoring unknown %s config keys %s", model_type, sorted(cfg))
+    return passthrough
