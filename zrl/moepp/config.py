@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 from pathlib import Path
 from typing import Any, ClassVar
 
 from zrl.modeling.config import ConfigError, leftover_keys
 from zrl.types import NO_ROUTE
-
-logger = logging.getLogger(__name__)
 
 MODEL_TYPE = "zaya"
 SUPPORTED_LAYER_TYPE = "hybrid"
