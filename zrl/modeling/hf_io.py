@@ -58,8 +58,12 @@ def load_into(model: torch.nn.Module, path: str | Path, names: HFNames, *, dtype
     state: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # module -> projection -> expert -> tensor
     tied_head = None
+    skipped = 0
     for hf_key, tensor in iter_checkpoint_tensors(path):
         name = names.param_name(hf_key)
+        if names.unused(name, len(model.layers)):
+            skipped += 1
+            continue
         if name == names.lm_head and tie:
             # Some exporters store the tied head anyway; accept it only if it is the embedding.
             tied_head = tensor
@@ -77,6 +81,9 @@ def load_into(model: torch.nn.Module, path: str | Path, names: HFNames, *, dtype
         num_experts = expected[f"{module}.down_proj"].shape[0] if f"{module}.down_proj" in expected else 0
         state.update(_fused_experts(names.hf_key(module), module, projections, num_experts))
     _check_keys(expected, state, names)
+    if skipped:
+        logger.info("skipped %d tensors of layers past the config's %d (%s does not run them)", skipped,
+                    len(model.layers), names.model_type)
     model.load_state_dict(state, strict=True, assign=True)
     embedding = model.embed_tokens.weight
     if tied_head is not None and not torch.equal(tied_head.to(embedding), embedding):

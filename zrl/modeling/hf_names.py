@@ -10,7 +10,10 @@ The rules, in order:
   expert: `<...>.experts.<e>.gate_proj.weight` [F, D], `up_proj.weight` [F, D], `down_proj.weight` [D, F]
   (a checkpoint in the fused layout still loads);
 - every other parameter or buffer is `prefix + name`;
-- tensors whose name ends with one of `fp32` stay fp32 whatever dtype the weights load or export in.
+- tensors whose name ends with one of `fp32` stay fp32 whatever dtype the weights load or export in;
+- with `layers_beyond_config_unused`, checkpoint tensors of decoder layers past the config's last
+  (`<prefix>layers.<i>.*` with i >= the model's layer count: modules the family does not run, such as
+  multi-token-prediction layers stored after the decoder) are skipped on load and never written.
 
 Importing this module imports no torch (families declare their names at class level).
 """
@@ -21,6 +24,7 @@ import dataclasses
 import re
 
 _FUSED = re.compile(r"^(.+\.experts)\.(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
 _PER_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -32,6 +36,7 @@ class HFNames:
     lm_head: str = "lm_head.weight"
     per_expert: bool = False
     fp32: tuple[str, ...] = ()
+    layers_beyond_config_unused: bool = False
 
     def hf_key(self, name: str) -> str:
         """A state-dict name (not a fused expert tensor under `per_expert`) -> its HF key."""
@@ -50,6 +55,12 @@ class HFNames:
         """(experts module name, expert, projection) of a per-expert name, else None."""
         match = _PER_EXPERT.match(name) if self.per_expert else None
         return None if match is None else (match.group(1), int(match.group(2)), match.group(3))
+
+    def unused(self, name: str, num_layers: int) -> bool:
+        """Whether state-dict name `name` of a checkpoint belongs to a layer past the model's `num_layers`
+        that the family declares unused (skipped on load)."""
+        match = _LAYER.match(name) if self.layers_beyond_config_unused else None
+        return match is not None and int(match.group(1)) >= num_layers
 
     def keeps_fp32(self, name: str) -> bool:
         return name.endswith(self.fp32) if self.fp32 else False

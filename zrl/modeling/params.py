@@ -52,11 +52,12 @@ class ParameterCounts:
 
 
 def count_parameters(model: nn.Module, *, experts_per_token: int = 1) -> ParameterCounts:
-    """Parameter counts of a model with `embed_tokens`, `lm_head` (None when tied), `config.num_experts`
-    and SwiGLUExperts, of which a token uses `experts_per_token` (meta-device models included)."""
-    num_experts = model.config.num_experts
+    """Parameter counts of a model with `embed_tokens`, `lm_head` (None when tied) and SwiGLUExperts of E
+    experts each, of which a token uses `experts_per_token` (meta-device models included)."""
     total = sum(p.numel() for p in model.parameters())
     embedding = model.embed_tokens.weight.numel() + (0 if model.lm_head is None else model.lm_head.weight.numel())
-    expert = sum(p.numel() for m in model.modules() if isinstance(m, SwiGLUExperts) for p in m.parameters())
+    expert_ops = [m for m in model.modules() if isinstance(m, SwiGLUExperts)]
+    expert = sum(p.numel() for m in expert_ops for p in m.parameters())
+    num_experts = expert_ops[0].num_experts if expert_ops else 1
     inactive = expert // num_experts * (num_experts - experts_per_token)
     return ParameterCounts(total=total, embedding=embedding, expert=expert, active=total - inactive)
