@@ -1,4 +1,5 @@
-"""Tiny, reproducible model assets for CPU tests and the demo: a tokenizer, a `zaya` and a `qwen3_moe` checkpoint.
+"""Tiny, reproducible model assets for CPU tests and the demo: a tokenizer, a `zaya`, a `qwen3_moe` and a
+`glm4_moe` checkpoint.
 
 Nothing is downloaded. The tokenizer is a byte-level BPE trained with the `tokenizers` library on a
 small synthetic corpus generated from a fixed seed (digits, arithmetic, a few words), so any text
@@ -146,10 +147,58 @@ def build_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, **overrides) -> Pat
     return out
 
 
+TINY_GLM4_MOE_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=96,  # the dense first layer's MLP width
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,  # vLLM's CPU attention backend supports head sizes from 32 up
+    partial_rotary_factor=0.5,  # GLM-4.5's: RoPE on the first half of each head
+    attention_bias=True,
+    use_qk_norm=False,  # as GLM-4.5-Air
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=4,  # group-limited routing: the best 2 of 4 groups of 2 experts
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,  # one dense layer before two sparse ones
+    num_nextn_predict_layers=0,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+
+
+def build_tiny_glm4_moe(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write the tiny tokenizer and a seeded tiny `glm4_moe` checkpoint into `out_dir`; returns the path.
+
+    Written by transformers' own `Glm4MoeConfig`/`Glm4MoeForCausalLM` (random initialisation, seeded,
+    correction biases 0 as at the start of pre-training; experts saved one by one, the Hub's layout).
+    `overrides` change fields of TINY_GLM4_MOE_CONFIG.
+    """
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, seed=seed)
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<eos>", "<|im_end|>")]
+    config = Glm4MoeConfig(
+        **{**TINY_GLM4_MOE_CONFIG, **overrides}, vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids)
+    torch.manual_seed(seed)
+    Glm4MoeForCausalLM(config).save_pretrained(str(out), safe_serialization=True)
+    (out / "zrl_tiny.json").write_text(json.dumps({"seed": seed, "overrides": overrides}, sort_keys=True) + "\n")
+    return out
+
+
 # The tiny models zrl builds, by config.json model_type (`zrl init-tiny-model --arch`, `model.tiny_arch`):
 # the builder, and the config whose max_position_embeddings preflight reads before the model exists.
-TINY_BUILDERS = {"zaya": build_tiny_model, "qwen3_moe": build_tiny_qwen3_moe}
-TINY_CONFIGS = {"zaya": TINY_MODEL_CONFIG, "qwen3_moe": TINY_QWEN3_MOE_CONFIG}
+TINY_BUILDERS = {"zaya": build_tiny_model, "qwen3_moe": build_tiny_qwen3_moe, "glm4_moe": build_tiny_glm4_moe}
+TINY_CONFIGS = {"zaya": TINY_MODEL_CONFIG, "qwen3_moe": TINY_QWEN3_MOE_CONFIG, "glm4_moe": TINY_GLM4_MOE_CONFIG}
 
 
 def is_checkpoint_dir(path: str | Path) -> bool:

@@ -37,7 +37,7 @@ class Strict(BaseModel):
 class ModelSpec(Strict):
     path: str = Field(min_length=1,
                       description="Hugging Face checkpoint (config.json + safetensors + tokenizer) of a registered "
-                                  "model_type (zaya, qwen3_moe: zrl/models): a local directory, or a Hub repo id "
+                                  "model_type (zaya, qwen3_moe, glm4_moe: zrl/models): a local directory, or a Hub repo id "
                                   "`org/name` resolved in the Hugging Face cache and downloaded on first use "
                                   "(zrl/hub.py)")
     revision: str | None = Field(None, min_length=1, description="branch, tag or commit of a Hub repo id `path` "
@@ -46,7 +46,7 @@ class ModelSpec(Strict):
     build_tiny_if_missing: bool = Field(
         False, description="build the tiny CPU checkpoint and tokenizer at `path` when it holds none; only at a "
                            "scratch asset path: a new or empty local directory whose name starts with `tiny-`")
-    tiny_arch: Literal["zaya", "qwen3_moe"] = Field(
+    tiny_arch: Literal["zaya", "qwen3_moe", "glm4_moe"] = Field(
         "zaya", description="the model_type of the tiny model build_tiny_if_missing builds (zrl/assets.py "
                             "TINY_BUILDERS; `zrl init-tiny-model --arch` builds the same)")
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -283,7 +283,10 @@ class Algorithm(Strict):
     length_reward: LengthReward = LengthReward()
     canaries: Canaries = Canaries()
     router_replay: bool = True
-    router_bias_update: bool = Field(False, description="keep updating router balancing biases during RL")
+    router_bias_update: bool = Field(False, description="keep updating router balancing biases during RL, by the "
+                                                         "family's rule (MoE++: the PID-like AdamW balancer; "
+                                                         "glm4_moe: DeepSeek-V3's sign update of the correction "
+                                                         "bias); frozen when false")
 
 
 class MuonSpec(Strict):

@@ -17,6 +17,7 @@ from zrl.models.family import ROUTING_CAPTURE_KINDS, ModelFamily
 _BUILT_IN = {
     "zaya": "zrl.moepp.family:MoEPPFamily",
     "qwen3_moe": "zrl.qwen3_moe.family:Qwen3MoEFamily",
+    "glm4_moe": "zrl.glm4_moe.family:Glm4MoEFamily",
 }
 
 _FAMILIES: dict[str, str] = {}

@@ -326,7 +326,7 @@ CASES = [
     Case("model-config-not-utf8", [("model.path", "config.json: not valid JSON")],
          edit=model_dir_with(b'{"model_type": "\xe9"}')),
     Case("model-config-a-list", [("model.path", "config.json: expected a JSON object, got list")], edit=model_dir_with("[]")),
-    Case("model-config-unregistered", [("model.path", "model_type 'llama' is not supported; registered: qwen3_moe, zaya")],
+    Case("model-config-unregistered", [("model.path", "model_type 'llama' is not supported; registered: glm4_moe, qwen3_moe, zaya")],
          edit=model_dir_with('{"model_type": "llama"}')),
     Case("model-config-without-weights", [("model.path", "config.json: not valid JSON")],
          edit=file_at("bare/config.json", "{garbage", lambda d, p: d["model"].update(path=str(p / "bare")))),

@@ -14,11 +14,13 @@ LIBRARY = ("zrl", "serving", "environments")
 FAMILIES = {
     "zrl.moepp": ("zrl/moepp/", "serving/zaya_vllm.py", "serving/testing_assets.py"),
     "zrl.qwen3_moe": ("zrl/qwen3_moe/",),
+    "zrl.glm4_moe": ("zrl/glm4_moe/",),
 }
 # Modules that must not import what lies above them: (importer path prefix, imported module prefix).
 UPWARD = (
     ("zrl/models/", "zrl.moepp"),
     ("zrl/models/", "zrl.qwen3_moe"),
+    ("zrl/models/", "zrl.glm4_moe"),
     ("zrl/modeling/", "zrl.pipeline"),
     ("zrl/modeling/", "zrl.trainer"),
     ("zrl/evaluate.py", "zrl.pipeline"),

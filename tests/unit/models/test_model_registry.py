@@ -29,11 +29,11 @@ def checkpoint_keys(path) -> set[str]:
 
 
 def test_unknown_model_type_is_one_line_listing_the_registered_ones():
-    with pytest.raises(ValueError, match=r"^model_type 'llama' is not supported; registered: qwen3_moe, zaya$"):
+    with pytest.raises(ValueError, match=r"^model_type 'llama' is not supported; registered: glm4_moe, qwen3_moe, zaya$"):
         get_family("llama")
     with pytest.raises(ValueError, match="no model_type"):
         model_type_of({"architectures": ["X"]})
-    assert registered_types() == ["qwen3_moe", "zaya"]
+    assert registered_types() == ["glm4_moe", "qwen3_moe", "zaya"]
 
 
 def test_a_duplicate_registration_raises():
