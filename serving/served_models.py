@@ -8,7 +8,8 @@ many columns a routing row has (the family's shape), which HF tensors make a com
 
 - `zaya` (ZAYA1 MoE++, serving/zaya_vllm.py, registered by plugin.py): top-1 with a skip class; the
   model stores the chosen expert per MoE layer in `last_routing` [T, L] (skip = E). Width L.
-- `qwen3_moe` (vLLM's built-in Qwen3MoeForCausalLM): top-k; each sparse layer's fused-MoE router
+- `qwen3_moe`, `glm4_moe` (vLLM's built-in Qwen3MoeForCausalLM, Glm4MoeForCausalLM) and any family
+  whose `routing_capture` is the router hook: top-k; each sparse layer's fused-MoE router
   (`BaseRouter`) calls a capture fn with its [T, k] logical expert ids before the EPLB mapping (the hook
   vLLM's own routed-experts capturer binds, fused_moe/routed_experts_capturer.py). Width L * k,
   layer-major: decoder layer l owns columns l*k .. l*k + k - 1 (zrl.qwen3_moe's record layout); dense
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from zrl.models import ROUTING_CAPTURE_MODEL_FORWARD, ROUTING_CAPTURE_ROUTER_HOOK, ModelShape, get_family
+from zrl.models.registry import registered_types
 from zrl.types import NO_ROUTE
 
 
@@ -144,14 +146,15 @@ class ServedModel:
         return CAPTURES[get_family(self.model_type).routing_capture]
 
 
+# Families with something to rebuild after a weight update; every other registered family is served as is.
 SERVED_MODELS: dict[str, ServedModel] = {
     "zaya": ServedModel("zaya", _zaya_after_load),
-    "qwen3_moe": ServedModel("qwen3_moe"),
 }
 
 
 def served_model(model_type: str) -> ServedModel:
-    if model_type not in SERVED_MODELS:
+    """The serving entry of a registered family (zrl.models); any other model_type is refused."""
+    if model_type not in registered_types():
         raise ValueError(f"model_type {model_type!r} is not served by the rollout engine; served: "
-                         f"{sorted(SERVED_MODELS)}")
-    return SERVED_MODELS[model_type]
+                         f"{registered_types()}")
+    return SERVED_MODELS.get(model_type, ServedModel(model_type))
