@@ -325,7 +325,7 @@ def cmd_export(args) -> int:
 
 def cmd_plan(args) -> int:
     from zrl.plan.report import (format_point, format_sweep, knee, load_workload, plan_point, plot_sweep,
-                                  point_summary, with_model)
+                                  point_summary, with_recipe_model)
 
     recipe = _load(args)
     rl_stages = [s.name for s in recipe.stages if s.kind == "rl"]
@@ -349,19 +349,7 @@ def cmd_plan(args) -> int:
     trainer_gpus = args.trainer_gpus or int(res.trainer_workers * (res.gpus_per_trainer_worker or 1))
     steps = args.steps or min(stage.steps, 100)
     try:
-        spec = load_workload(args.workload)
-        model_dir = Path(recipe.model.path).expanduser()
-        if (model_dir / "config.json").is_file():  # a local checkpoint: the trainer's FLOP model is its own
-            from zrl.models import family_of_checkpoint
-
-            try:
-                family = family_of_checkpoint(model_dir)
-                flops = family.flop_model(family.read_config(model_dir))
-            except ValueError as exc:
-                raise ValueError(f"model.path: {model_dir / 'config.json'}: {exc}") from None
-            spec = with_model(spec, flops)
-            log.info("trainer FLOP model of %s: %.3g active parameters, %d layers", model_dir, flops.active_params,
-                     flops.num_layers)
+        spec = with_recipe_model(load_workload(args.workload), recipe.model.path, recipe.model.revision)
 
         def point(rollout_gpus: int):
             return plan_point(stage, spec, rollout_gpus=rollout_gpus, trainer_gpus=trainer_gpus,
@@ -510,7 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weights' dtype (default: the run's model.dtype)")
     p.set_defaults(func=cmd_export)
 
-    p = command("init-tiny-model", "build the tiny CPU tokenizer + checkpoint (zaya or qwen3_moe)", json_output=False)
+    p = command("init-tiny-model", "build the tiny CPU tokenizer + checkpoint (zaya, qwen3_moe, glm4_moe)",
+                json_output=False)
     p.add_argument("dir", help="new or empty directory to write (a scratch asset path such as runs/assets/tiny-zaya)")
     p.add_argument("--arch", default="zaya", choices=sorted(TINY_BUILDERS),
                    help="model_type of the tiny checkpoint")

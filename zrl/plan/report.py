@@ -4,7 +4,10 @@ ratios, as tables and a throughput plot with the knee marked.
 `WorkloadSpec` is the workload a user writes (YAML, every field optional): its defaults are the
 ZAYA1-8B-on-H100 assumptions of bench/results/plan_zaya1.md; `with_model` replaces the trainer's
 FLOP-model fields it does not set by the recipe checkpoint's (the model family's `flop_model`,
-zrl/models). `build(stage, trainer_gpus)` turns it
+zrl/models); `with_recipe_model` finds that checkpoint's config.json (a local directory or a Hub repo's
+cached snapshot) and refuses to plan a Hub model whose config is not here unless the workload gives its
+FLOP model (FLOP_FIELDS), so a plan never stands the defaults' model in for the recipe's.
+`build(stage, trainer_gpus)` turns it
 into a `Workload`: the trainer's rate scales with its GPUs, response lengths are cut at the stage's
 `max_response_tokens`.
 
@@ -16,6 +19,7 @@ KNEE_FRACTION of the sweep's best.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +33,9 @@ from zrl.plan.simulator import PlanResult, simulate, synchronous_variant
 from zrl.plan.workload import DecodeModel, ResponseLengths, TrainerModel, Workload
 
 KNEE_FRACTION = 0.9
+FLOP_FIELDS = ("active_params", "layers", "attention_dim")  # the trainer's FLOP model in a workload
+
+log = logging.getLogger("zrl")
 
 
 class WorkloadSpec(BaseModel):
@@ -86,6 +93,39 @@ def with_model(spec: WorkloadSpec, flops: FlopModel) -> WorkloadSpec:
     values = {"active_params": float(flops.active_params), "layers": flops.num_layers,
               "attention_dim": flops.attention_dim}
     return spec.model_copy(update={k: v for k, v in values.items() if k not in spec.model_fields_set})
+
+
+def with_recipe_model(spec: WorkloadSpec, path: str, revision: str | None) -> WorkloadSpec:
+    """`spec` with the FLOP model of the recipe's model (`model.path`, `model.revision`), read from its
+    config.json through its family; fields the workload file set win. Raises ValueError (one line) for a
+    Hub repo whose config.json is not here (not downloaded, or offline) when the workload does not set
+    FLOP_FIELDS itself. A local directory without a checkpoint yet (a tiny model built on first run, a
+    checkpoint still to be copied) keeps the workload's values, with a warning when they are the defaults."""
+    from zrl import hub
+    from zrl.models import family_of_checkpoint
+
+    where = hub.locate(path, revision, "model.path")
+    config = None if where.local is None else where.local.expanduser() / "config.json"
+    if config is not None and config.is_file():
+        try:
+            family = family_of_checkpoint(config.parent)
+            flops = family.flop_model(family.read_config(config.parent))
+        except ValueError as exc:
+            raise ValueError(f"model.path: {config}: {exc}") from None
+        log.info("trainer FLOP model of %s: %.3g active parameters, %d layers", config.parent, flops.active_params,
+                 flops.num_layers)
+        return with_model(spec, flops)
+    unset = [name for name in FLOP_FIELDS if name not in spec.model_fields_set]
+    if where.repo_id is not None and unset:
+        why = where.missing or f"not in the Hugging Face cache {hub.cache_dir()}"
+        raise ValueError(f"model.path: {path}: its config.json is not here ({why}), so the plan cannot count "
+                         f"its FLOPs; give a --workload that sets "
+                         f"{', '.join(unset)} (the family's flop_model of its config.json), or download it with: "
+                         f"{hub.download_command(path, revision)}")
+    if unset:
+        log.warning("model.path: %s holds no config.json yet: the trainer's %s are the workload defaults "
+                    "(ZAYA1-8B's)", path, ", ".join(unset))
+    return spec
 
 
 def load_workload(path: str | None) -> WorkloadSpec:
