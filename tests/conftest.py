@@ -1,11 +1,15 @@
 """Session-wide test set-up: project-owned compile caches, offline services, Triton's interpreter without
-CUDA, GPU-test skipping.
+CUDA, GPU-test skipping, the parallel workers' scheduling and Ray turns, and the summary of where the suite's
+time went (docs/testing.md).
 
 Caches (TorchInductor, vLLM, Triton) live in `<repo>/.cache` so a warm run reuses compiled ops;
 `zrl/bootstrap.py` sets the same variables, this file covers a plain `pytest` call too.
 """
 
+import fcntl
 import os
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -33,10 +37,90 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# ---- Parallel workers (pytest-xdist; `python3 zrl/bootstrap.py test` runs two) ----------------------------
+# Scheduling unit: a file (its module fixtures run once), or the whole serving folder (its session engines are
+# built once per worker that runs it: one). Each worker runs its files in collection order, so a worker's
+# unit tests still come before any in-process vLLM engine of the serving tests.
+SHARED_SESSION_DIRS = ("tests/integration/serving/",)
+# Tests that start Ray (in the test process or through `zrl run`) live here; the README's commands end with
+# `ray stop`, which stops every Ray instance of the user, so they run while no other test holds Ray.
+RAY_DIRS = ("tests/integration/", "tests/faults/", "tests/e2e/")
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+if XDIST_WORKER:
+    # One intra-op thread per worker: two workers with two OpenMP threads each on two cores spend their time
+    # in OpenMP barriers (tests/integration/serving/conftest.py measured 10-20x slower steps).
+    torch.set_num_threads(1)
+
+
+def _relpath(item) -> str:
+    return Path(str(item.path)).resolve().relative_to(ROOT).as_posix()
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    if not torch.cuda.is_available():
+        skip_gpu = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        path = _relpath(item)
+        group = next((d for d in SHARED_SESSION_DIRS if path.startswith(d)), path)
+        item.add_marker(pytest.mark.xdist_group(group))
+    # The longest test that holds Ray alone starts first, while the other worker runs unit tests.
+    items.sort(key=lambda item: "ray_exclusive" not in item.keywords)  # stable: the rest keep their order
+
+
+def _lock_path(config) -> Path:
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    return Path(tempfile.gettempdir()) / f"zrl-tests-ray-{uid}.lock"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_turn(request):
+    """A module that starts Ray shares the machine's Ray with the other worker's; a `ray_exclusive` one holds
+    it alone (flock: shared vs exclusive, for the module's whole life, its fixtures' Ray instances included)."""
+    path = Path(str(request.path)).resolve().relative_to(ROOT).as_posix()
+    if not XDIST_WORKER or not path.startswith(RAY_DIRS):
+        yield
+        return
+    exclusive = request.node.get_closest_marker("ray_exclusive") is not None
+    with _lock_path(request.config).open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ---- The suite's wall time and its slowest tests, printed at the end of every run ----------------------------
+KINDS = ("tests/unit/", "zrl/", "tests/distributed/", "tests/integration/", "tests/faults/", "tests/e2e/")
+_durations: dict[str, float] = {}
+_started = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    """Setup, call and teardown of a test, summed: the time a test costs the suite (a module or session
+    fixture's set-up counts in the test that first needed it). Under xdist the controller sees every report."""
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if XDIST_WORKER or not _durations:
+        return
+    write = terminalreporter.write_line
+    wall = time.monotonic() - _started
+    workers = getattr(terminalreporter.config.option, "numprocesses", None) or 0
+    write("")
+    write(f"suite wall time {wall / 60:.1f} min ({wall:.0f} s), {len(_durations)} tests, "
+          f"{sum(_durations.values()) / 60:.1f} min of test time, {workers or 'no'} parallel workers")
+    by_kind: dict[str, list] = {}
+    for nodeid, seconds in _durations.items():
+        kind = next((k for k in KINDS if nodeid.startswith(k)), "other").rstrip("/")
+        entry = by_kind.setdefault(kind, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+    write("  ".join(f"{kind}: {n} tests {s / 60:.1f} min" for kind, (n, s) in by_kind.items()))
+    write("20 slowest tests (setup + call + teardown):")
+    for nodeid, seconds in sorted(_durations.items(), key=lambda kv: -kv[1])[:20]:
+        write(f"  {seconds:7.1f} s  {nodeid}")

@@ -226,6 +226,17 @@ def fetch_nltk_data(dry_run: bool = False) -> bool:
 
 
 OPTIONS = {"--gpu", "--cpu", "--dry-run"}
+# Parallel test workers (pytest-xdist): two on the 2-core box the suite is sized for; files (and the serving
+# folder, which shares its engines) are the units handed out, in collection order (tests/conftest.py).
+TEST_WORKERS = 2
+
+
+def test_workers(pytest_args: list[str]) -> list[str]:
+    """The xdist options, unless the caller chose their own (`-n`, `-p no:xdist`) or the machine has one CPU."""
+    chosen = any(a.startswith(("-n", "--numprocesses", "--dist")) or a == "no:xdist" for a in pytest_args)
+    if chosen or (os.cpu_count() or 1) < 2:
+        return []
+    return ["-n", str(TEST_WORKERS), "--dist", "loadgroup", "--no-loadscope-reorder"]
 
 
 def main(argv: list[str]) -> int:
@@ -256,7 +267,7 @@ def main(argv: list[str]) -> int:
         run_dir = f"runs/tiny-cpu-{time.strftime('%Y%m%d-%H%M%S')}"
         cmd = [str(VENV / "bin" / "zrl"), "run", "recipes/tiny-cpu.yaml", "--set", f"output_dir={run_dir}", *rest]
     else:
-        cmd = [str(venv_python()), "-m", "pytest", *rest]
+        cmd = [str(venv_python()), "-m", "pytest", *test_workers(rest), *rest]
     log("$ " + " ".join(cmd))
     code = subprocess.run(cmd, env=env).returncode
     if command == "test" and code == 5:

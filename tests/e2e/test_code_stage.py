@@ -3,30 +3,15 @@ response in bubblewrap sandboxes inside the verifier actors, the asynchronous st
 (rewards are ~0 for an untrained tiny model; the stage must not stall), and once the run ended no
 process of any sandbox is left on the machine."""
 
-import os
 from pathlib import Path
 
 import pytest
 import yaml
 from e2e_testlib import kill_marked, read_rows, run_zrl, wait_until_gone, write_recipe, zrl_env
+from processes_testlib import sandbox_processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-code-cpu.yaml"
-
-
-def sandbox_processes() -> list[str]:
-    """Live processes of a sandbox: the staged bwrap, or anything in a PID namespace other than ours."""
-    ours, found = os.readlink("/proc/self/ns/pid"), []
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit() or (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            cmdline = (entry / "cmdline").read_bytes()
-            if b"zrl-bwrap-" in cmdline or os.readlink(entry / "ns" / "pid") != ours:
-                found.append(f"{entry.name} {cmdline[:80]!r}")
-        except OSError:  # exited while we looked
-            continue
-    return found
 
 
 def test_code_stage_runs_its_steps_and_leaves_no_sandbox(tmp_path, tmp_path_factory):

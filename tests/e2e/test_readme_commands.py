@@ -21,8 +21,8 @@ trained all its steps and was exported). The submitted job is the mini ZAYA1 cas
 (recipes/zaya1-mini-cpu.yaml): its hand-offs between stages and its cascade report are checked too.
 
 `ray stop` runs when the script ends, whatever happened. It stops every Ray instance of this user on
-the machine, as it would for the reader: the suite runs one test at a time and no other test keeps
-Ray running past its end.
+the machine, as it would for the reader: the test is `ray_exclusive`, so while it runs no other test
+holds Ray (tests/conftest.py); unit tests go on beside it on the other worker.
 """
 
 import contextlib
@@ -41,7 +41,7 @@ import pytest
 import yaml
 
 log = logging.getLogger(__name__)  # the script's trace; visible with pytest --log-cli-level=INFO
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray_exclusive]
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

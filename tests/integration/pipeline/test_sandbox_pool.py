@@ -6,10 +6,10 @@ The tiny model of the end-to-end test never writes a code block, so this is wher
 Ray actors (tests/unit/sandbox covers the executor itself).
 """
 
-import os
 from pathlib import Path
 
 import pytest
+from processes_testlib import sandbox_processes
 
 from environments.code_env import Code, fenced_program
 from zrl.config.schema import EnvironmentSpec
@@ -32,18 +32,6 @@ def pool():
     limits = {"wall_s": 3.0, "cpu_s": 2.0, "memory_mb": 256}
     yield VerifierPool([EnvironmentSpec(name="code", options={"limits": limits})], timeout_s=60, size=2)
     ray.shutdown()
-
-
-def sandbox_processes() -> list[int]:
-    """Live processes in a PID namespace other than ours: only sandboxes make those here."""
-    ours, found = os.readlink("/proc/self/ns/pid"), []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.readlink(f"/proc/{pid}/ns/pid") != ours and "\tZ" not in Path(f"/proc/{pid}/status").read_text():
-                found.append(int(pid))
-        except OSError:  # exited while we looked
-            pass
-    return found
 
 
 def test_hostile_responses_earn_0_and_the_pool_keeps_judging_correctly(pool):
