@@ -15,7 +15,7 @@ steps: a run directory runs/tiny-cpu-<date>-<time> with both stages exported, an
 
 Every command runs even after one failed, as a reader going on would, and each failure is reported
 with its command: one run lists every broken instruction. The README's Python block (the environment
-plugin) is run by tests/unit/env/test_readme_example.py and tests/e2e/test_plugin_env.py. Every run
+plugin) is run by tests/unit/env/test_readme_example.py and tests/e2e/test_code_stage.py. Every run
 directory the commands made, the submitted job's included, is checked for a complete run (every stage
 trained all its steps and was exported). The submitted job is the mini ZAYA1 cascade
 (recipes/zaya1-mini-cpu.yaml): its hand-offs between stages and its cascade report are checked too.
