@@ -38,9 +38,9 @@ if not torch.cuda.is_available():
 
 
 # ---- Parallel workers (pytest-xdist; `python3 zrl/bootstrap.py test` runs two) ----------------------------
-# Scheduling unit: a file (its module fixtures run once), or the whole serving folder (its session engines are
-# built once per worker that runs it: one). Each worker runs its files in collection order, so a worker's
-# unit tests still come before any in-process vLLM engine of the serving tests.
+# Scheduling unit (pytest_xdist_make_scheduler): a file (its module fixtures run once), or the whole serving
+# folder (its session engines are built once, by the worker that runs it). Each worker runs its files in
+# collection order, so a worker's unit tests still come before any in-process vLLM engine of the serving tests.
 SHARED_SESSION_DIRS = ("tests/integration/serving/",)
 # Tests that start Ray (in the test process or through `zrl run`) live here; the README's commands end with
 # `ray stop`, which stops every Ray instance of the user, so they run while no other test holds Ray.
@@ -53,8 +53,18 @@ if XDIST_WORKER:
     torch.set_num_threads(1)
 
 
-def _relpath(item) -> str:
-    return Path(str(item.path)).resolve().relative_to(ROOT).as_posix()
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Files as the units handed to the workers, the serving folder as one (xdist's loadgroup does not group
+    on this pytest)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((d for d in SHARED_SESSION_DIRS if path.startswith(d)), path)
+
+    return FileScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -63,10 +73,6 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
-    for item in items:
-        path = _relpath(item)
-        group = next((d for d in SHARED_SESSION_DIRS if path.startswith(d)), path)
-        item.add_marker(pytest.mark.xdist_group(group))
     # The longest test that holds Ray alone starts first, while the other worker runs unit tests.
     items.sort(key=lambda item: "ray_exclusive" not in item.keywords)  # stable: the rest keep their order
 

@@ -236,7 +236,7 @@ def test_workers(pytest_args: list[str]) -> list[str]:
     chosen = any(a.startswith(("-n", "--numprocesses", "--dist")) or a == "no:xdist" for a in pytest_args)
     if chosen or (os.cpu_count() or 1) < 2:
         return []
-    return ["-n", str(TEST_WORKERS), "--dist", "loadgroup", "--no-loadscope-reorder"]
+    return ["-n", str(TEST_WORKERS), "--dist", "loadfile", "--no-loadscope-reorder"]
 
 
 def main(argv: list[str]) -> int:
