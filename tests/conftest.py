@@ -77,7 +77,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: "ray_exclusive" not in item.keywords)  # stable: the rest keep their order
 
 
-def _lock_path(config) -> Path:
+def _lock_path() -> Path:
     uid = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
     return Path(tempfile.gettempdir()) / f"zrl-tests-ray-{uid}.lock"
 
@@ -91,7 +91,7 @@ def _ray_turn(request):
         yield
         return
     exclusive = request.node.get_closest_marker("ray_exclusive") is not None
-    with _lock_path(request.config).open("a") as handle:
+    with _lock_path().open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         try:
             yield

@@ -231,7 +231,7 @@ OPTIONS = {"--gpu", "--cpu", "--dry-run"}
 TEST_WORKERS = 2
 
 
-def test_workers(pytest_args: list[str]) -> list[str]:
+def xdist_args(pytest_args: list[str]) -> list[str]:
     """The xdist options, unless the caller chose their own (`-n`, `-p no:xdist`) or the machine has one CPU."""
     chosen = any(a.startswith(("-n", "--numprocesses", "--dist")) or a == "no:xdist" for a in pytest_args)
     if chosen or (os.cpu_count() or 1) < 2:
@@ -267,7 +267,7 @@ def main(argv: list[str]) -> int:
         run_dir = f"runs/tiny-cpu-{time.strftime('%Y%m%d-%H%M%S')}"
         cmd = [str(VENV / "bin" / "zrl"), "run", "recipes/tiny-cpu.yaml", "--set", f"output_dir={run_dir}", *rest]
     else:
-        cmd = [str(venv_python()), "-m", "pytest", *test_workers(rest), *rest]
+        cmd = [str(venv_python()), "-m", "pytest", *xdist_args(rest), *rest]
     log("$ " + " ".join(cmd))
     code = subprocess.run(cmd, env=env).returncode
     if command == "test" and code == 5:

@@ -155,3 +155,17 @@ def test_the_gpu_stack_reports_the_driver_and_the_gpus(tree, bin_dir):
     fake_nvidia_smi(bin_dir, "No devices were found", 6)
     assert "warning: nvidia-smi lists no GPU" in bootstrap(tree, bin_dir, "--gpu").stderr
     assert "nvidia-smi" not in bootstrap(tree, bin_dir, "--cpu").stderr  # the CPU stack asks nothing of it
+
+
+def test_the_test_command_runs_two_workers_unless_the_caller_chooses(monkeypatch):
+    path = Path(__file__).resolve().parents[2] / "zrl" / "bootstrap.py"
+    spec = importlib.util.spec_from_file_location("bootstrap_here", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert module.xdist_args([]) == ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"]
+    assert module.xdist_args(["tests/unit", "-x"])[:2] == ["-n", "2"]
+    for chosen in (["-n", "0"], ["-n0"], ["--numprocesses=4"], ["-p", "no:xdist"], ["--dist", "load"]):
+        assert module.xdist_args(chosen) == [], chosen
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert module.xdist_args([]) == []
