@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from zrl.modeling.kernels.residual_norm import rms_norm
+from zrl.modeling.precision import Fp32Op, to_op_dtype
 
 
 class RMSNorm(nn.Module):
@@ -33,3 +34,23 @@ class RMSNorm(nn.Module):
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """`layer(x)` in the layer's weight dtype (the compute dtype), whatever dtype `x` arrives in."""
     return layer(x.to(layer.weight.dtype))
+
+
+class PreNormDecoderLayer(nn.Module):
+    """The forward pass of the decoder layers laid out as Llama's: x + attn(norm(x)), then x + mlp(norm(x)),
+    the residual stream in fp32. A family's layer builds, in its own order (the parameters' order is the
+    checkpoint's and the optimizer's), `input_layernorm`, `self_attn(x, layout, rope)`,
+    `post_attention_layernorm` and `mlp`: a dense MLP(x), or where `is_moe` a MoE block (x, replay) ->
+    (fp32 output, routing)."""
+
+    is_moe: bool
+
+    def forward(self, x: torch.Tensor, layout, rope, replay: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, object]:
+        """x [T, D] fp32 -> x [T, D] fp32 and this layer's routing (None for a dense layer)."""
+        x = x + to_op_dtype(self.self_attn(self.input_layernorm(x), layout, rope), Fp32Op.RESIDUAL)
+        normed = self.post_attention_layernorm(x)
+        if not self.is_moe:
+            return x + to_op_dtype(self.mlp(normed), Fp32Op.RESIDUAL), None
+        h, routing = self.mlp(normed, replay)
+        return x + h, routing

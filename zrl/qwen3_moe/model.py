@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from zrl.modeling.attention import causal_attention
-from zrl.modeling.blocks import RMSNorm, linear
+from zrl.modeling.blocks import PreNormDecoderLayer, RMSNorm, linear
 from zrl.modeling.causal_lm import PackedCausalLM
 from zrl.modeling.experts import SwiGLUExperts
 from zrl.modeling.packing import PackedLayout, build_layout
@@ -132,7 +132,7 @@ class SparseMoeBlock(nn.Module):
         return y.view(t, k, -1).sum(dim=1), routing
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: Qwen3MoEConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -141,16 +141,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SparseMoeBlock(config) if self.is_moe else DenseMLP(config)
-
-    def forward(self, x: torch.Tensor, layout: PackedLayout, rope: Rope, replay: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, TopKRouting | None]:
-        """x [T, D] fp32 -> x [T, D] fp32 and this layer's routing (None for a dense layer)."""
-        x = x + to_op_dtype(self.self_attn(self.input_layernorm(x), layout, rope), Fp32Op.RESIDUAL)
-        normed = self.post_attention_layernorm(x)
-        if not self.is_moe:
-            return x + to_op_dtype(self.mlp(normed), Fp32Op.RESIDUAL), None
-        h, routing = self.mlp(normed, replay)
-        return x + h, routing
 
 
 class Qwen3MoEForCausalLM(PackedCausalLM):
