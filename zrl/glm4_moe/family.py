@@ -14,7 +14,7 @@ from typing import Any
 
 from zrl.glm4_moe.config import MODEL_TYPE, Glm4MoEConfig
 from zrl.modeling.hf_names import HFNames
-from zrl.models.family import ROUTING_CAPTURE_ROUTER_HOOK, FlopModel, ModelFamily, ModelShape
+from zrl.models.family import ROUTING_CAPTURE_ROUTER_HOOK, ModelFamily, ModelShape
 
 
 class Glm4MoEFamily(ModelFamily):
@@ -31,18 +31,6 @@ class Glm4MoEFamily(ModelFamily):
         return ModelShape(vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
                           num_experts=config.n_routed_experts, experts_per_token=config.num_experts_per_tok,
                           skip_class=False)
-
-    def flop_model(self, config: Glm4MoEConfig) -> FlopModel:
-        import torch
-
-        from zrl.glm4_moe.model import Glm4MoEForCausalLM
-        from zrl.modeling.params import count_parameters
-
-        with torch.device("meta"):
-            counts = count_parameters(Glm4MoEForCausalLM(config), experts_per_token=config.num_experts_per_tok)
-        return FlopModel(total_params=counts.total, active_params=counts.active_non_embedding,
-                         num_layers=config.num_hidden_layers,
-                         attention_dim=config.num_attention_heads * config.head_dim)
 
     def build(self, config: Glm4MoEConfig):
         from zrl.glm4_moe.model import Glm4MoEForCausalLM

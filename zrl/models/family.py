@@ -113,9 +113,18 @@ class ModelFamily(abc.ABC):
     def shape(self, config: Any) -> ModelShape:
         ...
 
-    @abc.abstractmethod
     def flop_model(self, config: Any) -> FlopModel:
-        ...
+        """Parameter counts of the model itself (built on meta), its layers and attention width
+        (num_attention_heads x head_dim: a family whose config names them otherwise overrides this)."""
+        import torch
+
+        from zrl.modeling.params import count_parameters
+
+        shape = self.shape(config)
+        with torch.device("meta"):
+            counts = count_parameters(self.build(config), experts_per_token=shape.experts_per_token)
+        return FlopModel(total_params=counts.total, active_params=counts.active_non_embedding,
+                         num_layers=shape.num_layers, attention_dim=config.num_attention_heads * config.head_dim)
 
     # ------------------------------------------------------------------ trainer
 

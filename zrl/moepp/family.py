@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from zrl.modeling.hf_names import HFNames
-from zrl.models.family import ROUTING_CAPTURE_MODEL_FORWARD, FlopModel, ModelFamily, ModelShape
+from zrl.models.family import ROUTING_CAPTURE_MODEL_FORWARD, ModelFamily, ModelShape
 from zrl.moepp.config import MODEL_TYPE, MoEPPConfig
 
 
@@ -28,18 +28,6 @@ class MoEPPFamily(ModelFamily):
     def shape(self, config: MoEPPConfig) -> ModelShape:
         return ModelShape(vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
                           num_experts=config.num_experts, experts_per_token=1, skip_class=True)
-
-    def flop_model(self, config: MoEPPConfig) -> FlopModel:
-        import torch
-
-        from zrl.modeling.params import count_parameters
-        from zrl.moepp.model import MoEPPForCausalLM
-
-        with torch.device("meta"):
-            counts = count_parameters(MoEPPForCausalLM(config))
-        return FlopModel(total_params=counts.total, active_params=counts.active_non_embedding,
-                         num_layers=config.num_hidden_layers,
-                         attention_dim=config.num_attention_heads * config.head_dim)
 
     def build(self, config: MoEPPConfig):
         from zrl.moepp.model import MoEPPForCausalLM

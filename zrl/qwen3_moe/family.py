@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from zrl.modeling.hf_names import HFNames
-from zrl.models.family import ROUTING_CAPTURE_ROUTER_HOOK, FlopModel, ModelFamily, ModelShape
+from zrl.models.family import ROUTING_CAPTURE_ROUTER_HOOK, ModelFamily, ModelShape
 from zrl.qwen3_moe.config import MODEL_TYPE, Qwen3MoEConfig
 
 
@@ -29,18 +29,6 @@ class Qwen3MoEFamily(ModelFamily):
         return ModelShape(vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
                           num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
                           skip_class=False)
-
-    def flop_model(self, config: Qwen3MoEConfig) -> FlopModel:
-        import torch
-
-        from zrl.modeling.params import count_parameters
-        from zrl.qwen3_moe.model import Qwen3MoEForCausalLM
-
-        with torch.device("meta"):
-            counts = count_parameters(Qwen3MoEForCausalLM(config), experts_per_token=config.num_experts_per_tok)
-        return FlopModel(total_params=counts.total, active_params=counts.active_non_embedding,
-                         num_layers=config.num_hidden_layers,
-                         attention_dim=config.num_attention_heads * config.head_dim)
 
     def build(self, config: Qwen3MoEConfig):
         from zrl.qwen3_moe.model import Qwen3MoEForCausalLM
