@@ -28,3 +28,20 @@ def leftover_keys(cfg: dict[str, Any], ignored: frozenset[str], strict: bool, mo
                               f"what they change (pass strict=False to ignore them)")
         logger.warning("ignoring unknown %s config keys %s", model_type, sorted(cfg))
     return passthrough
+
+
+def pop_required(cfg: dict[str, Any], key: str) -> Any:
+    """Pop `key` from a config being parsed; ConfigError when it is absent."""
+    if key not in cfg:
+        raise ConfigError(f"missing required config key {key!r}")
+    return cfg.pop(key)
+
+
+def pop_supported(cfg: dict[str, Any], key: str, expected: Any, why: str, *, allow_null: bool = True) -> None:
+    """Pop `key` and raise unless it is absent, equal to the one supported value, or null (when `allow_null`)."""
+    if key in cfg:
+        value = cfg.pop(key)
+        if value is None and allow_null:
+            return
+        if value != expected or type(value) is bool and type(expected) is not bool:
+            raise ConfigError(f"{key}={value!r} is not supported ({why}); expected {expected!r}")

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any, ClassVar
 
-from zrl.modeling.config import ConfigError, leftover_keys
+from zrl.modeling.config import ConfigError, leftover_keys, pop_required, pop_supported
 from zrl.types import NO_ROUTE
 
 MODEL_TYPE = "zaya"
@@ -121,17 +121,17 @@ class MoEPPConfig:
         model_type = cfg.pop("model_type", None)
         if model_type != MODEL_TYPE:
             raise ConfigError(f"model_type must be {MODEL_TYPE!r}, got {model_type!r}")
-        _require(cfg, "num_experts_per_tok", 1, "top-1 routing only")
-        _require(cfg, "hidden_act", "silu", "SwiGLU experts use SiLU")
-        _require(cfg, "attention_dropout", 0.0, "no attention dropout in training or rollout")
-        _require(cfg, "lm_head_bias", False, "the tied LM head has no bias")
-        _require(cfg, "sliding_window", None, "sliding-window layers are not implemented")
-        _require(cfg, "is_encoder_decoder", False, "a decoder-only model")
+        pop_supported(cfg, "num_experts_per_tok", 1, "top-1 routing only", allow_null=False)
+        pop_supported(cfg, "hidden_act", "silu", "SwiGLU experts use SiLU", allow_null=False)
+        pop_supported(cfg, "attention_dropout", 0.0, "no attention dropout in training or rollout", allow_null=False)
+        pop_supported(cfg, "lm_head_bias", False, "the tied LM head has no bias", allow_null=False)
+        pop_supported(cfg, "sliding_window", None, "sliding-window layers are not implemented", allow_null=False)
+        pop_supported(cfg, "is_encoder_decoder", False, "a decoder-only model", allow_null=False)
         for key in ("rope_scaling", "quantization_config"):
             if cfg.pop(key, None) is not None:
                 raise ConfigError(f"{key} is not supported")
 
-        num_layers = _pop(cfg, "num_hidden_layers")
+        num_layers = pop_required(cfg, "num_hidden_layers")
         layer_types = cfg.pop("layer_types", None)
         if layer_types is not None:
             if len(layer_types) != num_layers:
@@ -143,14 +143,14 @@ class MoEPPConfig:
         rope_theta, partial_rotary_factor = _parse_rope(cfg)
 
         fields = dict(
-            vocab_size=_pop(cfg, "vocab_size"),
-            hidden_size=_pop(cfg, "hidden_size"),
+            vocab_size=pop_required(cfg, "vocab_size"),
+            hidden_size=pop_required(cfg, "hidden_size"),
             num_hidden_layers=num_layers,
-            num_attention_heads=_pop(cfg, "num_attention_heads"),
-            num_key_value_heads=_pop(cfg, "num_key_value_heads"),
-            moe_intermediate_size=_pop(cfg, "moe_intermediate_size"),
-            num_experts=_pop(cfg, "num_experts"),
-            router_hidden_size=_pop(cfg, "router_hidden_size"),
+            num_attention_heads=pop_required(cfg, "num_attention_heads"),
+            num_key_value_heads=pop_required(cfg, "num_key_value_heads"),
+            moe_intermediate_size=pop_required(cfg, "moe_intermediate_size"),
+            num_experts=pop_required(cfg, "num_experts"),
+            router_hidden_size=pop_required(cfg, "router_hidden_size"),
             rope_theta=rope_theta,
             partial_rotary_factor=partial_rotary_factor,
         )
@@ -216,18 +216,6 @@ def zaya1_8b_config() -> MoEPPConfig:
     )
 
 
-def _pop(cfg: dict[str, Any], key: str) -> Any:
-    if key not in cfg:
-        raise ConfigError(f"missing required config key {key!r}")
-    return cfg.pop(key)
-
-
-def _require(cfg: dict[str, Any], key: str, expected: Any, why: str) -> None:
-    """Pop `key` and raise unless it is absent or equal to the one supported value."""
-    if key in cfg:
-        value = cfg.pop(key)
-        if value != expected or type(value) is bool and type(expected) is not bool:
-            raise ConfigError(f"{key}={value!r} is not supported ({why}); expected {expected!r}")
 
 
 def _parse_rope(cfg: dict[str, Any]) -> tuple[float, float]:

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any, ClassVar
 
-from zrl.modeling.config import ConfigError, leftover_keys
+from zrl.modeling.config import ConfigError, leftover_keys, pop_required, pop_supported
 from zrl.types import NO_ROUTE
 
 
@@ -125,10 +125,10 @@ class Qwen3MoEConfig:
         model_type = cfg.pop("model_type", None)
         if model_type != MODEL_TYPE:
             raise ConfigError(f"model_type must be {MODEL_TYPE!r}, got {model_type!r}")
-        _require(cfg, "hidden_act", "silu", "SwiGLU experts use SiLU")
-        _require(cfg, "attention_dropout", 0.0, "no attention dropout in training or rollout")
-        _require(cfg, "use_sliding_window", False, "sliding-window attention is not implemented")
-        _require(cfg, "shared_expert_intermediate_size", 0, "a shared expert is not implemented")
+        pop_supported(cfg, "hidden_act", "silu", "SwiGLU experts use SiLU")
+        pop_supported(cfg, "attention_dropout", 0.0, "no attention dropout in training or rollout")
+        pop_supported(cfg, "use_sliding_window", False, "sliding-window attention is not implemented")
+        pop_supported(cfg, "shared_expert_intermediate_size", 0, "a shared expert is not implemented")
         cfg.pop("sliding_window", None)  # meaningful only with use_sliding_window (rejected above)
         for key in ("rope_scaling", "quantization_config"):
             if cfg.pop(key, None) is not None:
@@ -140,14 +140,14 @@ class Qwen3MoEConfig:
         if None not in (num_experts, num_local) and num_experts != num_local:
             raise ConfigError(f"num_experts={num_experts} and num_local_experts={num_local} disagree")
         fields = dict(
-            vocab_size=_pop(cfg, "vocab_size"),
-            hidden_size=_pop(cfg, "hidden_size"),
-            num_hidden_layers=_pop(cfg, "num_hidden_layers"),
-            num_attention_heads=_pop(cfg, "num_attention_heads"),
-            num_key_value_heads=_pop(cfg, "num_key_value_heads"),
-            moe_intermediate_size=_pop(cfg, "moe_intermediate_size"),
+            vocab_size=pop_required(cfg, "vocab_size"),
+            hidden_size=pop_required(cfg, "hidden_size"),
+            num_hidden_layers=pop_required(cfg, "num_hidden_layers"),
+            num_attention_heads=pop_required(cfg, "num_attention_heads"),
+            num_key_value_heads=pop_required(cfg, "num_key_value_heads"),
+            moe_intermediate_size=pop_required(cfg, "moe_intermediate_size"),
             num_experts=num_experts if num_experts is not None else num_local,
-            num_experts_per_tok=_pop(cfg, "num_experts_per_tok"),
+            num_experts_per_tok=pop_required(cfg, "num_experts_per_tok"),
             rope_theta=_parse_rope(cfg),
             mlp_only_layers=tuple(cfg.pop("mlp_only_layers", None) or ()),
         )
@@ -185,18 +185,6 @@ class Qwen3MoEConfig:
             json.dump(self.to_hf_dict(), f, indent=2, sort_keys=True)
 
 
-def _pop(cfg: dict[str, Any], key: str) -> Any:
-    if key not in cfg:
-        raise ConfigError(f"missing required config key {key!r}")
-    return cfg.pop(key)
-
-
-def _require(cfg: dict[str, Any], key: str, expected: Any, why: str) -> None:
-    """Pop `key` and raise unless it is absent, null or equal to the one supported value."""
-    if key in cfg:
-        value = cfg.pop(key)
-        if value is not None and (value != expected or type(value) is bool and type(expected) is not bool):
-            raise ConfigError(f"{key}={value!r} is not supported ({why}); expected {expected!r}")
 
 
 def _parse_rope(cfg: dict[str, Any]) -> float:
