@@ -88,7 +88,9 @@ def _rl_rows(run_dir: Path) -> list[dict]:
 
 def test_calibration_comes_first_and_the_level_follows_the_improving_policy(interrupted_run):
     run_dir = interrupted_run["run_dir"]
-    assert interrupted_run["first_log"].count("curriculum: strings calibrated at level") == 1
+    first_log = interrupted_run["first_log"]
+    assert first_log.count("curriculum: strings calibrated at level") == 1, \
+        [line for line in first_log.splitlines() if "curriculum:" in line]
     rows = _rl_rows(run_dir)
     assert rows[0]["curriculum/calibrating"] == 0.0
     first, last = rows[0][f"{KEY}/mu_mean"], rows[-1][f"{KEY}/mu_mean"]
