@@ -67,9 +67,9 @@ def build_checkpoint(family: str, out_dir: Path) -> Path:
 
         return build_serving_checkpoint(out_dir)
     if family == "qwen3_moe":
-        from zrl.assets import build_tiny_qwen3_moe
+        from zrl.models import get_family
 
-        return build_tiny_qwen3_moe(out_dir)
+        return get_family("qwen3_moe").build_tiny(out_dir)
     raise ValueError(f"unknown family {family!r}; valid: zaya, qwen3_moe")
 
 

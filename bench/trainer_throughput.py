@@ -30,7 +30,7 @@ from zrl.models import get_family
 from zrl.trainer.synthetic import synthetic_train_batch
 
 CONFIGS = {
-    "tiny": {},  # zrl.assets.TINY_MODEL_CONFIG: D 64, 2 layers, 4 experts
+    "tiny": {},  # the zaya family's tiny_config (zrl/moepp/family.py): D 64, 2 layers, 4 experts
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
                   moe_intermediate_size=512, num_experts=8, router_hidden_size=64),
 }

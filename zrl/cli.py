@@ -31,12 +31,12 @@ from pathlib import Path
 
 import yaml
 
-from zrl.assets import TINY_BUILDERS
 from zrl.config import Recipe, RecipeError, load_recipe
 from zrl.config.load import yaml_value
+from zrl.config.schema import ModelSpec
 from zrl.env.registry import UnknownEnvironmentError
 from zrl.hub import ModelPathError
-from zrl.models import registered_types
+from zrl.models import get_family, registered_types
 from zrl.runtime_env import apply_defaults
 
 log = logging.getLogger("zrl")
@@ -171,7 +171,7 @@ def cmd_init_tiny_model(args) -> int:
         return _error([f"{args.dir}: holds a checkpoint already (config.json, *.safetensors); remove it to rebuild"])
     if target.is_dir() and any(target.iterdir()):
         return _error([f"{args.dir}: directory is not empty; the tiny model is written only into a new or empty one"])
-    path = TINY_BUILDERS[args.arch](args.dir, seed=args.seed)
+    path = get_family(args.arch).build_tiny(args.dir, seed=args.seed)
     sys.stdout.write(f"tiny {args.arch} checkpoint and tokenizer written to {path}\n")
     return 0
 
@@ -498,11 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="weights' dtype (default: the run's model.dtype)")
     p.set_defaults(func=cmd_export)
 
-    p = command("init-tiny-model", "build the tiny CPU tokenizer + checkpoint (zaya, qwen3_moe, glm4_moe)",
+    p = command("init-tiny-model", "build the tiny CPU tokenizer + checkpoint of a registered model_type",
                 json_output=False)
     p.add_argument("dir", help="new or empty directory to write (a scratch asset path such as runs/assets/tiny-zaya)")
-    p.add_argument("--arch", default="zaya", choices=sorted(TINY_BUILDERS),
-                   help="model_type of the tiny checkpoint")
+    p.add_argument("--arch", default=ModelSpec.model_fields["tiny_arch"].default, choices=registered_types(),
+                   help="model_type of the tiny checkpoint, as model.tiny_arch")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.set_defaults(func=cmd_init_tiny_model)
     return parser

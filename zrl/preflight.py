@@ -181,12 +181,13 @@ class _Context:
 def _model(recipe: Recipe, findings: Findings) -> tuple[_Context | None, Path | None]:
     """The model's context length when known, and the directory its files are read from when there is
     one here; records problems and missing items of `model.path`."""
-    from zrl.assets import TINY_CONFIGS, is_checkpoint_dir
+    from zrl.assets import is_checkpoint_dir
+    from zrl.models import get_family
 
     what = "model checkpoint directory (config.json and *.safetensors)"
     found = _checkpoint("model.path", recipe.model, is_checkpoint_dir, what, findings)
     if found == TINY:
-        return (_Context(TINY_CONFIGS[recipe.model.tiny_arch]["max_position_embeddings"],
+        return (_Context(get_family(recipe.model.tiny_arch).tiny_config["max_position_embeddings"],
                          f"the tiny model build_tiny_if_missing builds ({recipe.model.tiny_arch})"), None)
     if found is not None:
         return _model_config(found / "config.json", findings), found

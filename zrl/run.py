@@ -158,12 +158,13 @@ def prepare_model(recipe: Recipe) -> Path:
     """The local checkpoint directory everything downstream reads (zrl/hub.py): `model.path` itself, the
     Hugging Face cache snapshot of a repo id (downloaded on first use), or the tiny CPU checkpoint, built
     first when build_tiny_if_missing allows it there. Raises zrl.hub.ModelPathError (one line)."""
-    from zrl.assets import TINY_BUILDERS, is_checkpoint_dir
+    from zrl.assets import is_checkpoint_dir
     from zrl.hub import local_checkpoint
+    from zrl.models import get_family
 
     spec = recipe.model
-    build_tiny = TINY_BUILDERS[spec.tiny_arch]
-    build = (lambda path: build_tiny(path, seed=recipe.seed)) if spec.build_tiny_if_missing else None
+    tiny = get_family(spec.tiny_arch)
+    build = (lambda path: tiny.build_tiny(path, seed=recipe.seed)) if spec.build_tiny_if_missing else None
     path = local_checkpoint("model.path", spec.path, spec.revision, is_checkpoint_dir,
                             "model checkpoint directory (config.json and *.safetensors)", build)
     log.info("model: %s", path)

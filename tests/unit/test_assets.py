@@ -5,7 +5,8 @@ import hashlib
 import pytest
 import torch
 
-from zrl.assets import CHAT_TEMPLATE, TINY_MODEL_CONFIG, build_tiny_model, build_tokenizer, is_checkpoint_dir
+from zrl.assets import CHAT_TEMPLATE, build_tiny_model, build_tokenizer, is_checkpoint_dir
+from zrl.models import get_family
 
 
 def digest(path):
@@ -47,8 +48,9 @@ def test_tiny_checkpoint_loads_in_transformers_and_is_seeded(tiny, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny)
     cfg = model.config
     assert cfg.model_type == "zaya" and cfg.vocab_size == len(tok)
+    tiny_config = get_family("zaya").tiny_config
     assert (cfg.hidden_size, cfg.num_experts, cfg.num_hidden_layers) == (
-        TINY_MODEL_CONFIG["hidden_size"], TINY_MODEL_CONFIG["num_experts"], TINY_MODEL_CONFIG["num_hidden_layers"])
+        tiny_config["hidden_size"], tiny_config["num_experts"], tiny_config["num_hidden_layers"])
     assert cfg.eos_token_id == [tok.convert_tokens_to_ids("<eos>"), tok.convert_tokens_to_ids("<|im_end|>")]
     logits = model(torch.tensor([[1, 5, 9, 300]])).logits
     assert logits.shape == (1, 4, len(tok)) and torch.isfinite(logits).all()

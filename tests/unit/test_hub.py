@@ -150,8 +150,8 @@ def tiny_recipe(model_path: str, **model):
 @pytest.fixture
 def builds(monkeypatch) -> list[Path]:
     """Where prepare_model / prepare_reward_model build a tiny model (recorded, with a stand-in checkpoint)."""
-    import zrl.assets
     import zrl.reward_model
+    from zrl.models import get_family, registered_types
 
     built = []
 
@@ -165,8 +165,8 @@ def builds(monkeypatch) -> list[Path]:
             return Path(path)
         return build
 
-    for model_type in zrl.assets.TINY_BUILDERS:
-        monkeypatch.setitem(zrl.assets.TINY_BUILDERS, model_type, builder(model_type))
+    for model_type in registered_types():
+        monkeypatch.setattr(type(get_family(model_type)), "build_tiny", staticmethod(builder(model_type)))
     monkeypatch.setattr(zrl.reward_model, "build_tiny_reward_model", builder(None))
     return built
 

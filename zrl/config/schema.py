@@ -23,6 +23,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from zrl.models import registered_types
 from zrl.run_dir import RunDir
 
 OUTPUT_DIR_FIELD = "{output_dir}"  # in an environment option: the recipe's output_dir
@@ -37,23 +38,30 @@ class Strict(BaseModel):
 class ModelSpec(Strict):
     path: str = Field(min_length=1,
                       description="Hugging Face checkpoint (config.json + safetensors + tokenizer) of a registered "
-                                  "model_type (zaya, qwen3_moe, glm4_moe: zrl/models): a local directory, or a Hub repo id "
-                                  "`org/name` resolved in the Hugging Face cache and downloaded on first use "
-                                  "(zrl/hub.py)")
+                                  f"model_type ({', '.join(registered_types())}: zrl/models): a local directory, or a "
+                                  "Hub repo id `org/name` resolved in the Hugging Face cache and downloaded on first "
+                                  "use (zrl/hub.py)")
     revision: str | None = Field(None, min_length=1, description="branch, tag or commit of a Hub repo id `path` "
                                                                  "(default: main); not for a local directory")
     tokenizer_path: str | None = Field(None, min_length=1, description="tokenizer directory; defaults to `path`")
     build_tiny_if_missing: bool = Field(
         False, description="build the tiny CPU checkpoint and tokenizer at `path` when it holds none; only at a "
                            "scratch asset path: a new or empty local directory whose name starts with `tiny-`")
-    tiny_arch: Literal["zaya", "qwen3_moe", "glm4_moe"] = Field(
-        "zaya", description="the model_type of the tiny model build_tiny_if_missing builds (zrl/assets.py "
-                            "TINY_BUILDERS; `zrl init-tiny-model --arch` builds the same)")
+    tiny_arch: str = Field(
+        "zaya", description="the registered model_type whose tiny model build_tiny_if_missing builds (its family's "
+                            "tiny_config, zrl/models; `zrl init-tiny-model --arch` builds the same)")
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     kernels: Literal["auto", "triton", "reference"] = Field(
         "auto", description="trainer kernels (zrl/modeling/kernels): auto = per op the fastest measured on CUDA "
                             "(Triton kernel, library op or PyTorch reference), the references otherwise; "
                             "triton/reference force one")
+
+    @field_validator("tiny_arch")
+    @classmethod
+    def _a_registered_model_type(cls, value: str) -> str:
+        if value not in registered_types():
+            raise ValueError(f"{value!r} is not a registered model_type (registered: {', '.join(registered_types())})")
+        return value
 
 
 class Resources(Strict):

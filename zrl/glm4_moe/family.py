@@ -23,6 +23,29 @@ class Glm4MoEFamily(ModelFamily):
     routing_capture = ROUTING_CAPTURE_ROUTER_HOOK
     hf_names = HFNames(MODEL_TYPE, per_expert=True, fp32=("e_score_correction_bias",),
                        layers_beyond_config_unused=True)
+    tiny_config = dict(
+        hidden_size=64,
+        intermediate_size=96,  # the dense first layer's MLP width
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # vLLM's CPU attention backend supports head sizes from 32 up
+        partial_rotary_factor=0.5,  # GLM-4.5's: RoPE on the first half of each head
+        attention_bias=True,
+        use_qk_norm=False,  # as GLM-4.5-Air
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=4,  # group-limited routing: the best 2 of 4 groups of 2 experts
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,  # one dense layer before two sparse ones
+        num_nextn_predict_layers=0,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
 
     def parse_config(self, raw: dict[str, Any], *, strict: bool = True) -> Glm4MoEConfig:
         return Glm4MoEConfig.from_hf_dict(raw, strict=strict)
@@ -52,3 +75,10 @@ class Glm4MoEFamily(ModelFamily):
             return {}
         rs = routing_stats(rows, skip_class=False)
         return {"routing/load_entropy_mean": float(rs.load_entropy.mean()), "routing/load_max": float(rs.load.max())}
+
+    def new_tiny_model(self, hf_config: dict[str, Any]):
+        """transformers' own `Glm4MoeForCausalLM` (random initialisation, correction biases 0 as at the
+        start of pre-training; experts saved one by one, the Hub's layout)."""
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+        return Glm4MoeForCausalLM(Glm4MoeConfig(**hf_config))

@@ -3,10 +3,11 @@ serving need to know about a model architecture, in one small class per architec
 
 An architecture's package (zrl/moepp, zrl/qwen3_moe) holds its model code and one `ModelFamily`
 subclass (`<package>/family.py`) that declares its Hugging Face names once (`hf_names`, from which
-loading, export, weight sync and the engine's key list derive); zrl/models/registry.py maps a
-checkpoint's config.json `model_type` to it. What families share lives in zrl/modeling. Callers never
-import an architecture's package directly: they resolve a family (`family_of_checkpoint(path)`,
-`family_of(model)`) and go through it.
+loading, export, weight sync and the engine's key list derive) and its tiny CPU checkpoint
+(`tiny_config`, `new_tiny_model`: what `zrl init-tiny-model --arch` and `model.tiny_arch` build);
+zrl/models/registry.py maps a checkpoint's config.json `model_type` to it. What families share lives
+in zrl/modeling. Callers never import an architecture's package directly: they resolve a family
+(`family_of_checkpoint(path)`, `family_of(model)`, `get_family(model_type)`) and go through it.
 
 What a family's model must offer besides the methods below (the trainer calls these on the model):
   model.config                         its parsed config, with a `model_type` class attribute
@@ -28,6 +29,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -36,6 +38,7 @@ from zrl.modeling.hf_names import HFNames
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import PreTrainedModel
 
 # How the rollout engine reports the experts each token was routed to (serving dispatches on it):
 # the model's own forward returns them (zrl's out-of-tree vLLM model, serving/zaya_vllm.py), or a
@@ -98,6 +101,9 @@ class ModelFamily(abc.ABC):
     vllm_architecture: ClassVar[str]  # config.json's architectures[0]: the vLLM model class that serves it
     routing_capture: ClassVar[str]  # one of ROUTING_CAPTURE_KINDS
     hf_names: ClassVar[HFNames]  # how its parameters are keyed in HF checkpoints
+    # The tiny CPU checkpoint's HF config fields (the vocabulary and special token ids are the tiny
+    # tokenizer's, zrl.assets); preflight reads its max_position_embeddings before the model exists.
+    tiny_config: ClassVar[Mapping[str, Any]]
 
     # ------------------------------------------------------------------ config (no torch)
 
@@ -190,3 +196,18 @@ class ModelFamily(abc.ABC):
         from zrl.modeling.hf_io import save_hf_checkpoint
 
         save_hf_checkpoint(state, path, self.hf_names, config=config, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+    # ------------------------------------------------------------------ tiny CPU checkpoint
+
+    @abc.abstractmethod
+    def new_tiny_model(self, hf_config: dict[str, Any]) -> PreTrainedModel:
+        """transformers' own model of this architecture for the HF config fields `hf_config`, initialised
+        from torch's global generator (the caller seeds it)."""
+
+    def build_tiny(self, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+        """Write the tiny tokenizer and a seeded tiny checkpoint of this family into `out_dir`; returns the
+        path. `overrides` change fields of `tiny_config` (e.g. num_hidden_layers=4)."""
+        from zrl.assets import write_tiny_checkpoint
+
+        return write_tiny_checkpoint(out_dir, self.new_tiny_model, {**self.tiny_config, **overrides},
+                                     seed=seed, overrides=overrides)

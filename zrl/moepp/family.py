@@ -1,7 +1,8 @@
 """MoE++ (ZAYA1, HF `zaya`) as a zrl.models `ModelFamily`: a thin adapter over this package.
 
 Nothing here computes anything new: every method calls this package's functions (the model, its
-parameter counts, BiasBalancer, routing statistics with a skip class). Its HF names: every tensor is
+parameter counts, BiasBalancer, routing statistics with a skip class), or transformers' own
+`ZayaForCausalLM` for the tiny CPU checkpoint. Its HF names: every tensor is
 `model.<name>` (experts stay fused, as the `zaya` layout stores them), the balancing biases stay fp32.
 Served by zrl's out-of-tree vLLM model (serving/zaya_vllm.py), whose forward returns the routing:
 top-1 with a skip class, a [T, L] record.
@@ -21,6 +22,21 @@ class MoEPPFamily(ModelFamily):
     vllm_architecture = "ZayaForCausalLM"
     routing_capture = ROUTING_CAPTURE_MODEL_FORWARD
     hf_names = HFNames(MODEL_TYPE, fp32=("balancing_biases",))
+    tiny_config = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # vLLM's CPU attention backend supports head sizes from 32 up
+        moe_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=1,
+        router_hidden_size=32,
+        max_position_embeddings=1024,
+        cca_time0=2,
+        cca_time1=2,
+        tie_word_embeddings=True,
+    )
 
     def parse_config(self, raw: dict[str, Any], *, strict: bool = True) -> MoEPPConfig:
         return MoEPPConfig.from_hf_dict(raw, strict=strict)
@@ -46,3 +62,18 @@ class MoEPPFamily(ModelFamily):
         return {"routing/load_entropy_mean": float(rs.load_entropy.mean()),
                 "routing/load_max": float(rs.load.max()),
                 "routing/skip_frac_mean": float(rs.skip_fraction.mean())}
+
+    def new_tiny_model(self, hf_config: dict[str, Any]):
+        """transformers' own `ZayaForCausalLM` (the `zaya` layout is the interchange format, README), key
+        temperatures set to 1."""
+        import torch
+        from transformers import ZayaConfig, ZayaForCausalLM
+
+        model = ZayaForCausalLM(ZayaConfig(**hf_config))
+        with torch.no_grad():
+            # transformers initialises the per-KV-head key temperature to 0, i.e. uniform attention until
+            # it is learned; the tiny demo model must learn in minutes, so it starts at 1.
+            for name, param in model.named_parameters():
+                if name.endswith("qk_norm.temp"):
+                    param.fill_(1.0)
+        return model

@@ -21,6 +21,21 @@ class Qwen3MoEFamily(ModelFamily):
     vllm_architecture = "Qwen3MoeForCausalLM"
     routing_capture = ROUTING_CAPTURE_ROUTER_HOOK
     hf_names = HFNames(MODEL_TYPE, per_expert=True)
+    tiny_config = dict(
+        hidden_size=64,
+        intermediate_size=96,  # the dense layers' MLP width
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # vLLM's CPU attention backend supports head sizes from 32 up
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],  # one dense layer between two sparse ones
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
 
     def parse_config(self, raw: dict[str, Any], *, strict: bool = True) -> Qwen3MoEConfig:
         return Qwen3MoEConfig.from_hf_dict(raw, strict=strict)
@@ -44,3 +59,10 @@ class Qwen3MoEFamily(ModelFamily):
             return {}
         rs = routing_stats(rows, skip_class=False)
         return {"routing/load_entropy_mean": float(rs.load_entropy.mean()), "routing/load_max": float(rs.load.max())}
+
+    def new_tiny_model(self, hf_config: dict[str, Any]):
+        """transformers' own `Qwen3MoeForCausalLM` (random initialisation; transformers 5.19 saves the
+        experts one by one, the Hub's layout)."""
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config))

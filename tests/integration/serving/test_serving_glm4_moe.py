@@ -31,9 +31,9 @@ def glm_checkpoint(tmp_path_factory):
     """The tiny checkpoint with correction biases of the sigmoid scores' size (0 after initialisation)."""
     from safetensors.torch import load_file, save_file
 
-    from zrl.assets import build_tiny_glm4_moe
+    from zrl.models import get_family
 
-    path = build_tiny_glm4_moe(tmp_path_factory.mktemp("glm4_moe") / "ckpt")
+    path = get_family("glm4_moe").build_tiny(tmp_path_factory.mktemp("glm4_moe") / "ckpt")
     tensors = load_file(path / "model.safetensors")
     generator = torch.Generator().manual_seed(0)
     for key in [k for k in tensors if k.endswith("e_score_correction_bias")]:

@@ -29,9 +29,9 @@ SAMPLING = SamplingConfig(max_tokens=24, temperature=1.0, seed=17)
 
 @pytest.fixture(scope="session")
 def qwen_checkpoint(tmp_path_factory):
-    from zrl.assets import build_tiny_qwen3_moe
+    from zrl.models import get_family
 
-    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("qwen3_moe") / "ckpt")
+    return get_family("qwen3_moe").build_tiny(tmp_path_factory.mktemp("qwen3_moe") / "ckpt")
 
 
 def _engine(path, dtype, **overrides):

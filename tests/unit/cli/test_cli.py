@@ -209,7 +209,6 @@ def test_only_zrls_own_log_lines_carry_its_prefix():
 
 
 def test_init_tiny_model_builds_the_chosen_architecture(tmp_path):
-    from zrl.assets import TINY_QWEN3_MOE_CONFIG
     from zrl.models import family_of_checkpoint
 
     result = zrl("init-tiny-model", str(tmp_path / "tiny-qwen3moe"), "--arch", "qwen3_moe")
@@ -217,7 +216,7 @@ def test_init_tiny_model_builds_the_chosen_architecture(tmp_path):
     assert result.stdout == f"tiny qwen3_moe checkpoint and tokenizer written to {tmp_path / 'tiny-qwen3moe'}\n"
     family = family_of_checkpoint(tmp_path / "tiny-qwen3moe")
     assert family.model_type == "qwen3_moe"
-    assert family.read_config(tmp_path / "tiny-qwen3moe").num_experts == TINY_QWEN3_MOE_CONFIG["num_experts"]
+    assert family.read_config(tmp_path / "tiny-qwen3moe").num_experts == family.tiny_config["num_experts"]
     again = zrl("init-tiny-model", str(tmp_path / "tiny-qwen3moe"))  # over the model: refused, nothing written
     assert_clean_error(again, f"zrl: error: {tmp_path / 'tiny-qwen3moe'}: holds a checkpoint already")
 

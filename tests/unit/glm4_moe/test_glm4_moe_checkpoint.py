@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Glm4MoeForCausalLM
 
 from glm4_moe_testlib import next_token_targets, packed_documents
-from zrl.assets import TINY_BUILDERS, is_checkpoint_dir
+from zrl.assets import is_checkpoint_dir
 from zrl.glm4_moe.config import Glm4MoEConfig
 from zrl.modeling.config import ConfigError
 from zrl.models import family_of_checkpoint, get_family
@@ -28,7 +28,7 @@ AIR = dict(  # zai-org/GLM-4.5-Air's config.json (recipes/glm-4.5-air.yaml)
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return TINY_BUILDERS["glm4_moe"](tmp_path_factory.mktemp("tiny-glm4-moe"), seed=0)
+    return get_family("glm4_moe").build_tiny(tmp_path_factory.mktemp("tiny-glm4-moe"), seed=0)
 
 
 def _logprobs(model, docs):

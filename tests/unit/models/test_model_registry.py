@@ -7,7 +7,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from zrl.assets import build_tiny_model, build_tiny_qwen3_moe
 from zrl.models import (ROUTING_CAPTURE_KINDS, family_of, family_of_checkpoint, get_family, model_type_of, register,
                         registered_types)
 from zrl.moepp.config import zaya1_8b_config
@@ -17,7 +16,7 @@ from zrl.trainer.export import iter_full_tensors, weight_specs
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {"zaya": build_tiny_model(root / "zaya"), "qwen3_moe": build_tiny_qwen3_moe(root / "qwen3_moe")}
+    return {model_type: get_family(model_type).build_tiny(root / model_type) for model_type in ("zaya", "qwen3_moe")}
 
 
 def checkpoint_keys(path) -> set[str]:

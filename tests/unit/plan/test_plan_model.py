@@ -4,9 +4,8 @@
 import json
 from pathlib import Path
 
-from zrl.assets import build_tiny_qwen3_moe
 from zrl.cli import main
-from zrl.models import FlopModel
+from zrl.models import FlopModel, get_family
 from zrl.plan.report import WorkloadSpec, with_model
 
 TINY = str(Path(__file__).resolve().parents[3] / "recipes" / "tiny-cpu.yaml")
@@ -28,6 +27,6 @@ def plan_json(capsys, model_path) -> dict:
 
 def test_plan_takes_the_checkpoints_flop_model(tmp_path, capsys):
     """A tiny checkpoint's trainer is orders of magnitude faster than the ZAYA1-8B default: it idles more."""
-    tiny = plan_json(capsys, build_tiny_qwen3_moe(tmp_path / "tiny-qwen"))
+    tiny = plan_json(capsys, get_family("qwen3_moe").build_tiny(tmp_path / "tiny-qwen"))
     default = plan_json(capsys, tmp_path / "no-such-checkpoint")
     assert tiny["async"]["trainer_idle_frac"] > default["async"]["trainer_idle_frac"]

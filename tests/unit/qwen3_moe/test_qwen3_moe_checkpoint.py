@@ -6,14 +6,15 @@ from safetensors.torch import save_file
 from transformers import Qwen3MoeForCausalLM
 
 from qwen3_moe_testlib import next_token_targets, packed_documents
-from zrl.assets import TINY_QWEN3_MOE_CONFIG, build_tiny_qwen3_moe, is_checkpoint_dir
+from zrl.assets import is_checkpoint_dir
 from zrl.modeling.config import ConfigError
+from zrl.models import get_family
 from zrl.qwen3_moe import Qwen3MoEConfig, load_hf_checkpoint, save_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"), seed=0)
+    return get_family("qwen3_moe").build_tiny(tmp_path_factory.mktemp("tiny_qwen3_moe"), seed=0)
 
 
 def test_tiny_checkpoint_loads_and_matches_transformers(tiny_dir):
@@ -78,7 +79,7 @@ def test_hub_config_parses():
 
 def test_transformers_written_config_parses():
     """transformers 5 writes `num_local_experts` and nested `rope_parameters`."""
-    raw = {k: v for k, v in TINY_QWEN3_MOE_CONFIG.items() if k != "num_experts"}
+    raw = {k: v for k, v in get_family("qwen3_moe").tiny_config.items() if k != "num_experts"}
     raw.update(model_type="qwen3_moe", vocab_size=100, num_local_experts=8,
                rope_parameters={"rope_type": "default", "rope_theta": 5e5})
     config = Qwen3MoEConfig.from_hf_dict(raw)

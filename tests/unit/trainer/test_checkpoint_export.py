@@ -121,9 +121,9 @@ def test_bad_inputs_are_one_line(run, tmp_path, capsys):
     elsewhere = tmp_path / "elsewhere"  # a checkpoint outside its run: no recipe to name the model
     shutil.copytree(step, elsewhere)
     assert "give --model" in error(elsewhere, tmp_path / "a")
-    from zrl.assets import build_tiny_qwen3_moe
+    from zrl.models import get_family
 
-    qwen = build_tiny_qwen3_moe(tmp_path / "tiny-qwen")
+    qwen = get_family("qwen3_moe").build_tiny(tmp_path / "tiny-qwen")
     capsys.readouterr()  # the build's progress bar
     assert error(step, tmp_path / "a", "--model", qwen).startswith(f"{step}: does not hold the weights of {qwen}")
     assert not (tmp_path / "a").exists()

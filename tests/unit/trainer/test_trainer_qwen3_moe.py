@@ -10,7 +10,6 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from zrl.assets import build_tiny_qwen3_moe
 from zrl.config.schema import Algorithm, DPPOBinaryTV, MuonSpec, Optimizer
 from zrl.qwen3_moe import load_hf_checkpoint
 from zrl.trainer import TrainerSettings, TrainerWorker
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*returned a view tensor")
 
 @pytest.fixture(scope="module")
 def qwen_checkpoint(tmp_path_factory):
-    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("trainer_qwen3_moe") / "model")
+    return get_family("qwen3_moe").build_tiny(tmp_path_factory.mktemp("trainer_qwen3_moe") / "model")
 
 
 def settings(**overrides):

@@ -248,12 +248,12 @@ def test_reference_composes_logits_and_routing():
 def test_model_router_uses_the_kernel(device):
     """ZayaRouter (down-projection + EDA outside, `route` inside) under the triton backend equals the
     reference backend: outputs, and gradients of every router parameter and of both inputs."""
-    from zrl.assets import TINY_MODEL_CONFIG
     from zrl.moepp.config import MoEPPConfig
+    from zrl.moepp.family import MoEPPFamily
     from zrl.moepp.router import ZayaRouter
 
     fields = {f.name for f in dataclasses.fields(MoEPPConfig)}
-    config = MoEPPConfig(vocab_size=512, **{k: v for k, v in TINY_MODEL_CONFIG.items() if k in fields})
+    config = MoEPPConfig(vocab_size=512, **{k: v for k, v in MoEPPFamily.tiny_config.items() if k in fields})
     torch.manual_seed(0)
     router = ZayaRouter(config, layer_idx=1).to(device)
     with torch.no_grad():
