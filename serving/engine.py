@@ -275,6 +275,13 @@ class RolloutEngine:
         for k in external:
             del self._pending[k]
 
+    def abort_all(self) -> None:
+        """Drop every unfinished sample of every group (no output is returned for them)."""
+        if self._pending:
+            self._engine.abort_request(list(self._pending))
+            self._rpc("discard_routing", [p.internal_id for p in self._pending.values()])
+            self._pending.clear()
+
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, weights: Mapping[str, torch.Tensor] | WeightStream | str | Path | Any,
@@ -327,7 +334,7 @@ class RolloutEngine:
         """
         if self._pending:
             self._engine.abort_request(list(self._pending))
-            self._pending.clear()
+            self._pending.clear()  # the routing tables go with the engine
         engine, self._engine = self._engine, None
         if engine is not None and hasattr(engine, "engine_core"):
             engine.engine_core.shutdown()

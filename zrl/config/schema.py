@@ -373,7 +373,8 @@ class Inherit(Strict):
 
 class Evaluation(Strict):
     """Held-out accuracy of the stage's export on each of its entries, measured after the export (on the
-    rollout pool's first bundle) and recorded in the stage record and the cascade report.
+    rollout pool's first bundle; an RL stage's kept rollout worker loads the export and evaluates it) and
+    recorded in the stage record and the cascade report.
 
     With `every_steps` (RL stages), the same evaluation also runs during the stage on a rollout worker with
     the weights it holds: at the stage's start and at every trainer step that is a multiple of

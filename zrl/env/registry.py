@@ -42,6 +42,11 @@ class EnvironmentInfo:
     def reward_type(self) -> str | None:
         return getattr(self.factory, "reward_type", None)
 
+    @property
+    def uses_reward_model(self) -> bool:
+        """Whether it scores with the recipe's reward model (its actors must be up; a rollout worker hosts none)."""
+        return getattr(self.factory, "uses_reward_model", False)
+
 
 def load_reference(reference: str) -> Callable[..., Any]:
     """Import `package.module:Attribute`; raises UnknownEnvironmentError with the reason."""

@@ -57,12 +57,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import ray
-from ray.exceptions import RayError, RayTaskError
+from ray.exceptions import RayError
 
 from zrl.cascade_report import write_cascade_report
 from zrl.config.schema import Recipe, RLStage
 from zrl.env import registry
-from zrl.evaluate import EvalResult
+from zrl.evaluate import EvalRequest, EvalResult
 from zrl.metrics import MetricsLogger
 from zrl.pipeline.faults import RANK_FAILURE_GRACE_S, reason_of, trainer_results
 from zrl.pipeline.health import ROLLBACK_SEED_STRIDE, rollbacks_made
@@ -197,6 +197,7 @@ class Cascade:
         self._frontier: dict | None = None  # running max solve rates at the end of the last RL stage
         self._curriculum: dict | None = None  # difficulty-scheduler state at the end of the last RL stage
         self._inherited: dict | None = None   # what the running stage took from the previous one (its record)
+        self._export_evaluator = None         # the ended RL stage's rollout worker, kept to evaluate its export
 
     def run(self) -> int:
         """Run every stage (from the resume point, if any); returns the final trainer step."""
@@ -332,13 +333,14 @@ class Cascade:
                                rollbacks=rollbacks, **resume)
         self._inherited = runner.inherited if inherits else None
         step = runner.run()
+        self._export_evaluator = runner.export_evaluator
         self._frontier, self._curriculum = runner.final_frontier, runner.final_curriculum
         return step
 
     @contextlib.contextmanager
     def _reward_model(self, stage):
         """The recipe's reward-model actors, up while a stage with a reward-model environment runs."""
-        if not any(getattr(registry.get(spec.name).factory, "uses_reward_model", False) for spec in stage.environments):
+        if not any(registry.get(spec.name).uses_reward_model for spec in stage.environments):
             yield
             return
         from zrl.reward_model import RewardModelPool
@@ -358,7 +360,7 @@ class Cascade:
         hf_dir = self.layout.stage_hf(stage.name)
         ray.get([r.export_hf.remote(str(hf_dir), self.recipe.model.dtype) for r in ranks])
         rollouts = {r.entry: str(stage.self_rollouts_path(self.recipe.output_dir, r.entry)) for r in stage.self_rollouts}
-        evaluation = self._evaluate_export(stage, hf_dir, rollouts)
+        evaluation = self._evaluate_export(stage, hf_dir, rollouts, step)
         first_step, last_step = stage_bounds(self.recipe)[index]
         if evaluation and stage.evaluation.every_steps is not None:  # the last point of the in-training curve
             results = [(k, EvalResult(**v)) for k, v in evaluation.items()]
@@ -379,29 +381,30 @@ class Cascade:
         log.info("stage %r finished at trainer step %d in %.0f s; policy exported to %s%s", stage.name, step,
                  elapsed_s, hf_dir, "" if summary is None else f", summary plot {summary}")
 
-    def _evaluate_export(self, stage, hf_dir: Path, rollouts: dict[str, str]) -> dict[str, dict]:
-        """The stage's held-out evaluation and its self-rollouts files (`rollouts`: entry -> path), one engine
-        on the rollout pool's first bundle (free between stages); returns {entry: result} of the evaluation."""
-        from zrl.evaluate import EvalRequest, evaluate_requests
-
+    def _evaluate_export(self, stage, hf_dir: Path, rollouts: dict[str, str], version: int) -> dict[str, dict]:
+        """The stage's held-out evaluation and its self-rollouts files (`rollouts`: entry -> path), on the
+        rollout pool's first bundle (free between stages): on the engine of the RL stage's kept rollout
+        worker when it can serve every request, else on an engine of its own; returns {entry: result} of
+        the evaluation."""
         e, specs = stage.evaluation, dict(zip(stage.entry_keys(), stage.environments))
         limit = stage.sampling.max_prompt_tokens if isinstance(stage, RLStage) else stage.max_sequence_tokens
         held_out = held_out_requests(stage)
         keys = [k for k, _ in held_out]
-        requests = [r for _, r in held_out]
-        requests += [EvalRequest(specs[r.entry], r.prompts, r.samples, r.temperature, r.max_response_tokens,
-                                 split="train", save_rollouts=rollouts[r.entry], max_prompt_tokens=limit)
-                     for r in stage.self_rollouts]
-        if not requests:
-            return {}
-        task = ray.remote(evaluate_requests).options(**self.rollout_pool.options(0), max_retries=0)
+        pairs = held_out + [(r.entry, EvalRequest(specs[r.entry], r.prompts, r.samples, r.temperature,
+                                                  r.max_response_tokens, split="train",
+                                                  save_rollouts=rollouts[r.entry], max_prompt_tokens=limit))
+                            for r in stage.self_rollouts]
+        worker, self._export_evaluator = self._export_evaluator, None
         try:
-            results = ray.get(task.remote(str(hf_dir), requests, self.recipe.seed, self.recipe.model.dtype,
-                                          self.recipe.reward_model))
-        except RayTaskError as exc:  # a report, not the run: the stage is recorded without it
+            results = self._run_export_evaluation(stage, hf_dir, pairs, version, worker) if pairs else []
+        except RayError as exc:  # a report, not the run: the stage is recorded without it
             log.error("stage %r: the evaluation of its export failed (%s); no held-out accuracy or self-rollouts "
                       "for this stage", stage.name, reason_of(exc))
             return {}
+        finally:
+            if worker is not None:
+                ray.kill(worker)
+                self.rollout_pool.actors = []
         for r, result in zip(stage.self_rollouts, results[len(keys):]):
             log.info("stage %r: self-rollouts of %s written to %s (%d problems x %d, mean reward %.3f)", stage.name,
                      r.entry, rollouts[r.entry], r.prompts, r.samples, result.accuracy)
@@ -411,6 +414,29 @@ class Cascade:
                      ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in evaluation.items()), e.prompts, e.samples,
                      e.temperature)
         return evaluation
+
+    def _run_export_evaluation(self, stage, hf_dir: Path, pairs: list, version: int, worker) -> list:
+        """The results of `pairs` ((entry key, EvalRequest)) on the export at `hf_dir`. The kept rollout
+        worker serves them unless a request scores with a reward model (a rollout worker hosts no scorer)
+        or generates longer than the worker's engine was sized for; a worker that fails hands them on."""
+        from zrl.evaluate import evaluate_requests
+
+        requests = [r for _, r in pairs]
+        if worker is not None and all(r.max_response_tokens <= stage.sampling.max_response_tokens
+                                      and not registry.get(r.environment.name).uses_reward_model for r in requests):
+            try:
+                report = ray.get(worker.evaluate_export.remote(str(hf_dir), pairs, self.recipe.seed, version))
+                log.info("stage %r: its export evaluated on the engine of rollout worker 0 in %.1f s", stage.name,
+                         report.seconds)
+                return [result for _, result in report.results]
+            except RayError as exc:
+                log.warning("stage %r: the evaluation of its export on the stage's rollout worker failed (%s); "
+                            "evaluating on an engine of its own", stage.name, reason_of(exc))
+        if worker is not None:
+            ray.kill(worker)  # its bundle is the evaluation's
+        task = ray.remote(evaluate_requests).options(**self.rollout_pool.options(0), max_retries=0)
+        return ray.get(task.remote(str(hf_dir), requests, self.recipe.seed, self.recipe.model.dtype,
+                                   self.recipe.reward_model))
 
     def _log(self, stage):
         """The stage's metric sink: every `metrics.log_every_steps` steps and at the stage's last step; it

@@ -53,7 +53,7 @@ def in_training_requests(stage: RLStage) -> list[tuple[str, EvalRequest]]:
     from zrl.env import registry
 
     requests = held_out_requests(stage)
-    scored = [k for k, r in requests if getattr(registry.get(r.environment.name).factory, "uses_reward_model", False)]
+    scored = [k for k, r in requests if registry.get(r.environment.name).uses_reward_model]
     if scored:
         log.warning("stage %r: %s score with a reward model: evaluated at the stage's end only, not every %d "
                     "steps", stage.name, scored, stage.evaluation.every_steps)

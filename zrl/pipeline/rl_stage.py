@@ -120,6 +120,7 @@ class RLStageRunner:
         # what the stage took from the previous one (recorded in its stage record)
         self.inherited = {"length_reward_frontier": sorted(frontier or {}), "curriculum": taken}
         self.final_curriculum: dict | None = curriculum  # set when the stage closes, when it has adaptive entries
+        self.export_evaluator = None  # set when the stage ends: the rollout worker kept for its export's evaluation
         self.verifiers = VerifierPool(stage.environments, a.verifier_timeout_s, ctx.verifier_workers,
                                       ctx.cpus_per_verifier_worker)
         self.watchdog = ProgressWatchdog(a.progress_timeout_s, a.max_discarded_batches * stage.sampling.prompts_per_batch)
@@ -166,6 +167,7 @@ class RLStageRunner:
                 self._check_progress()
             self._finish_evaluations()
             log_ledger(self.stage.name, ray.get(self.buffer.counts.remote()), s.lost_groups)
+            self.export_evaluator = self.workers[0]
         except TrainerFailed:
             trainer_ok = False
             raise
@@ -357,7 +359,9 @@ class RLStageRunner:
         if self.curriculum is not None:
             self.final_curriculum = self.curriculum.state_dict()
         # In-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) leave no shared-memory segments behind:
-        # killing the actor process releases everything it held.
-        for actor in self.workers + self.verifiers.actors + [self.buffer]:
+        # killing the actor process releases everything it held. A stage that ended keeps worker 0 (and
+        # its engine) for the evaluation of its export; the pool's release kills it at the latest.
+        kept = [self.export_evaluator] if self.export_evaluator is not None else []
+        for actor in [w for w in self.workers if w not in kept] + self.verifiers.actors + [self.buffer]:
             ray.kill(actor)
-        self.ctx.rollout_pool.actors = []
+        self.ctx.rollout_pool.actors = kept

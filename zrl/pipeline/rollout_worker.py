@@ -22,6 +22,8 @@ Held-out evaluation (`evaluate`, zrl/pipeline/held_out.py): between two rounds, 
 prompts join the engine's running batch like a round's groups, with the weights the engine holds; the
 round's groups keep decoding beside them, and those that finish during it are reported with the next
 round. It returns when every evaluation sample is done (one policy version: a sync is a call of its own).
+At the stage's end (`evaluate_export`) the worker stops its stream, loads the stage's export from disk in
+place and evaluates that: the export is what is measured, on the engine that is already up.
 
 Weight sync: `join_sync` makes the worker a receiver of the trainer's sync group; `receive_weights`
 takes one streamed sync and loads it in place as it arrives (zrl.pipeline.weight_sync).
@@ -184,7 +186,7 @@ class RolloutWorker:
         self._evaluated: dict[tuple, list] = {}         # an evaluation's finished prompts -> their samples
         self._envs = {e.key: e.env for e in self.source.entries}
         self._engine_groups: dict[int, str] = {}        # engine group id of a single-turn group -> stream group id
-        self._episodes = (EpisodeRunner(self.engine, ChatContinuation(self.engine.tokenizer).reply_ids)
+        self._episodes = (self._episode_runner()
                           if any(isinstance(e.env, EpisodicEnvironment) for e in self.source.entries) else None)
         self._finished: list[tuple[GeneratedGroup, tuple[str, int] | None]] = []  # closed, not yet reported
         self._reported_in_flight_tokens = 0  # tokens of unfinished samples the last report counted
@@ -236,9 +238,27 @@ class RolloutWorker:
                            canary_sums=self._token_canaries([g for g, _ in finished]), state=self.state_dict(),
                            environment_counts={e.key: e.env.metrics() for e in self.source.entries})
 
-    def evaluate(self, requests: list, seed: int) -> HeldOutReport:
+    def evaluate_export(self, checkpoint: str, requests: list, seed: int, version: int) -> HeldOutReport:
+        """The stage's end: the prompt stream stops for good (unfinished groups are dropped), the engine
+        loads the stage's export from `checkpoint` in place (as policy `version`), and `requests` are
+        evaluated on it as `evaluate` does. The same results as a fresh engine on the export, without
+        starting one."""
+        self._drawer.shutdown(wait=False, cancel_futures=True)
+        self._drawing.clear()
+        if self._episodes is not None:
+            self._episodes.close()
+            self._episodes = self._episode_runner()
+        self.engine.abort_all()
+        self._open.clear()
+        self._engine_groups.clear()
+        self._finished.clear()
+        self.engine.update_weights(checkpoint, version=version)
+        return self.evaluate(requests, seed, checkpoint=checkpoint)
+
+    def evaluate(self, requests: list, seed: int, checkpoint: str | None = None) -> HeldOutReport:
         """Held-out evaluation with the engine's current weights (the module docstring): `requests` are
-        (entry key, zrl.evaluate.EvalRequest) pairs, `seed` the recipe's, as at the stage's end."""
+        (entry key, zrl.evaluate.EvalRequest) pairs, `seed` the recipe's, as at the stage's end;
+        `checkpoint` names what the results evaluated (default: the policy version)."""
         from serving.engine import SamplingConfig
         from zrl.evaluate import score
 
@@ -267,8 +287,8 @@ class RolloutWorker:
                 self._take(sample)
             self._take_episodes(timeout=0.0 if self.engine.has_unfinished() else None)
         outputs = [[self._evaluated.pop(("eval", i, j)) for j in range(len(prompts))] for i, (prompts, _) in enumerate(jobs)]
-        results = tuple((key, score(f"policy version {version}", self._eval_envs[key], r, prompts, out, skipped,
-                                    self._eval_errors))
+        name = checkpoint or f"policy version {version}"
+        results = tuple((key, score(name, self._eval_envs[key], r, prompts, out, skipped, self._eval_errors))
                         for (key, r), (prompts, skipped), out in zip(requests, jobs, outputs))
         return HeldOutReport(version, results, time.perf_counter() - start)
 
@@ -377,6 +397,9 @@ class RolloutWorker:
         for i in range(n):
             self._episodes.start(env.episode(prompt), ids, sampling, max_turns=env.max_turns,
                                  max_response_tokens=max_response_tokens, seed=seed + i, key=(group_id, i))
+
+    def _episode_runner(self) -> EpisodeRunner:
+        return EpisodeRunner(self.engine, ChatContinuation(self.engine.tokenizer).reply_ids)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         tokenizer = self.engine.tokenizer

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from pipeline_testlib import STEPS, write_recipe
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -21,9 +22,13 @@ EVALUATION = {"prompts": 8, "samples": 2, "max_response_tokens": 8, "every_steps
 ENTRY = "coinflip_env:CoinFlip"  # the entry's key: its environment reference
 
 
+def run_env() -> dict:
+    """The environment of a `zrl` command here: this directory importable (the coin-flip environment)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def run(path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return subprocess.run([ZRL, "run", str(path)], capture_output=True, text=True, timeout=900, env=env)
+    return subprocess.run([ZRL, "run", str(path)], capture_output=True, text=True, timeout=900, env=run_env())
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +130,21 @@ def test_held_out_accuracy_is_logged_during_the_stage(async_run, eval_rows):
     record = json.loads((async_run[0] / "stages" / "rl" / "stage.json").read_text())
     final = [r for r in eval_rows if r["eval/policy_version"] == STEPS]
     assert final[-1][f"eval/{ENTRY}/accuracy"] == record["evaluation"][ENTRY]["accuracy"]
+
+
+def test_the_export_is_evaluated_on_the_stages_engine_as_a_fresh_engine_would(async_run):
+    """The stage-end evaluation runs on the kept rollout worker, which loads the export from disk; `zrl
+    eval` of the export on an engine of its own (same problems, seeds and dtype) gives the same samples."""
+    run_dir, _, log = async_run
+    assert "its export evaluated on the engine of rollout worker 0" in log
+    recorded = json.loads((run_dir / "stages" / "rl" / "stage.json").read_text())["evaluation"][ENTRY]
+    out = subprocess.run([ZRL, "eval", str(run_dir / "stages" / "rl" / "hf"), "--env", ENTRY,
+                          "--num-prompts", str(EVALUATION["prompts"]), "--samples", str(EVALUATION["samples"]),
+                          "--temperature", "1.0", "--max-response-tokens", str(EVALUATION["max_response_tokens"]),
+                          "--seed", str(yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text())["seed"]),
+                          "--json"],
+                         capture_output=True, text=True, timeout=600, env=run_env())
+    assert out.returncode == 0, out.stderr[-4000:]
+    fresh = json.loads(out.stdout)
+    for field in ("num_prompts", "accuracy", "mean_response_tokens", "reasons", "pass_at_k"):
+        assert fresh[field] == recorded[field], field

@@ -4,6 +4,8 @@ scored per entry under the recipe's entry key (here a `module:Class` reference),
 A multi-turn environment's held-out prompts run as episodes on the same engine, scored by the episodes."""
 
 import itertools
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
@@ -99,6 +101,33 @@ def test_evaluation_shares_the_engine_with_a_rounds_groups():
     [(group, _)] = worker._finished                                  # finished meanwhile: reported next round
     assert group.group_id == "w0-d0.0-train:0" and [r.text for r in group.rollouts] == ["0", "x"]
     assert worker._open == {} and worker._engine_groups == {} and worker.engine.queue == []
+
+
+class LoadingEngine(Engine):
+    """Also drops what is in flight and loads weights from a checkpoint directory."""
+
+    def abort_all(self):
+        self.queue = []
+
+    def update_weights(self, weights, version=None):
+        self.loaded, self.version = weights, version
+
+
+def test_the_export_is_evaluated_after_the_stream_stops_and_the_export_is_loaded():
+    stage = stage_of("Parity")
+    worker = stand_in_worker(stage, LoadingEngine())
+    worker._drawer, worker._drawing = ThreadPoolExecutor(1), deque()
+    prompt = Parity().sample(1, 0)[0]
+    worker._open["w0-d0.0-train:0"] = _Open("w0-d0.0-train:0", prompt, 2)  # a round's group still in flight
+    worker._engine_groups[7] = "w0-d0.0-train:0"
+    worker.engine.queue = [(7, 0, "0"), (7, 1, "x")]
+
+    report = worker.evaluate_export("/run/stages/rl/hf", held_out_requests(stage), seed=0, version=9)
+
+    assert worker.engine.loaded == "/run/stages/rl/hf" and report.policy_version == 9
+    [(_, result)] = report.results
+    assert result.checkpoint == "/run/stages/rl/hf" and (result.num_prompts, result.accuracy) == (4, 0.5)
+    assert worker._finished == [] and worker._open == {} and worker._engine_groups == {}  # the group was dropped
 
 
 class Guess(EpisodicEnvironment):
