@@ -1,10 +1,11 @@
 """The behavioural stage end to end: `zrl run recipes/tiny-behaviour-cpu.yaml` (SFT warm start, then GRPO
 on reward-model scores gated by instruction checks, with the tiny reward model on a Ray actor).
 
-Held-out comparison of the RL stage's final policy with its starting policy (the SFT stage's export):
-200 eval prompts x 4 samples at the training temperature, fixed seed, same prompts for both, scored in
-this process by the same tiny reward model. The mean raw reward-model score rises (on the chat prompts)
-while the instruction-following pass rate does not fall (on the simple instruction prompts).
+Held-out comparison of the RL stage's final policy with its starting policy (the SFT stage's export),
+as the run's stage-end evaluations recorded it (the recipe's `evaluation`): 200 eval prompts x 4 samples
+at the training temperature, the recipe's seed, the same prompts for both, scored by the same tiny reward
+model. The mean raw reward-model score rises (on the chat prompts) while the instruction-following pass
+rate does not fall (on the simple instruction prompts).
 """
 
 import json
@@ -20,9 +21,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 ZRL = str(Path(sys.executable).parent / "zrl")
 PASS_RATE_SLACK = 0.03  # sampling noise allowed on the pass rate (800 samples: its standard error is <= 0.018)
-# Measured on the 2-core CPU machine (2026-11-24, seed 0, the recipe's 0.25/0.75 chat/instruction mix):
-# mean RM score -1.84 -> 5.69, pass rate 0.241 -> 0.343 (an equal mix gave 0.241 -> 0.303 and 0.216 in two
-# runs); a rise of at least one raw-score unit is asserted.
+# Measured on the 2-core CPU machine (seed 0, the recipe's 0.25/0.75 chat/instruction mix): 2026-11-24, with
+# `zrl eval --seed 7` on each export, mean RM score -1.84 -> 5.69, pass rate 0.241 -> 0.343 (an equal mix gave
+# 0.241 -> 0.303 and 0.216 in two runs); 2026-11-28, the run's own stage-end evaluations (recipe seed 0),
+# -1.85 -> 6.01 and 0.215 -> 0.314. A rise of at least one raw-score unit is asserted.
 MIN_SCORE_RISE = 1.0
 
 
@@ -32,10 +34,9 @@ def zrl(*args, timeout=1800):
     return result
 
 
-def held_out(checkpoint: Path, env: str, reward_model: Path) -> dict:
-    out = zrl("eval", str(checkpoint), "--env", env, "--reward-model", str(reward_model), "--num-prompts", "200",
-              "--samples", "4", "--temperature", "1.0", "--max-response-tokens", "64", "--seed", "7", "--json")
-    return json.loads(out.stdout)
+def held_out(run_dir: Path, stage: str) -> dict:
+    """{entry: EvalResult fields} of the stage's export, from its stage record."""
+    return json.loads((run_dir / "stages" / stage / "stage.json").read_text())["evaluation"]
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +49,9 @@ def run(tmp_path_factory):
 
 def test_rl_raises_the_reward_model_score_without_losing_instruction_following(run):
     run_dir, _ = run
-    stages = run_dir / "stages"
-    before = {env: held_out(stages / "sft_warm_start" / "hf", env, run_dir / "tiny-rm")
-              for env in ("chat_reward_model", "simple_instruction_following")}
-    after = {env: held_out(stages / "behavioral" / "hf", env, run_dir / "tiny-rm")
-             for env in ("chat_reward_model", "simple_instruction_following")}
+    before, after = held_out(run_dir, "sft_warm_start"), held_out(run_dir, "behavioral")
+    # the same 200 prompts for both: none skipped under either stage's prompt limit
+    assert all(r[k]["num_prompts"] == 200 and r[k]["skipped_long_prompts"] == 0 for r in (before, after) for k in r)
     score = [r["chat_reward_model"]["metadata_means"]["rm_score"] for r in (before, after)]
     passed = [r["simple_instruction_following"]["reasons"].get("scored", 0.0) for r in (before, after)]
     log.info("held-out mean RM score %.3f -> %.3f; instruction pass rate %.3f -> %.3f", *score, *passed)
