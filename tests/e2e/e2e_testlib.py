@@ -115,6 +115,37 @@ def read_latest(run_dir: Path) -> dict | None:
         return None
 
 
+def interrupt_after_rl_checkpoint(proc: subprocess.Popen, run_dir: Path, stage: str, last_step: int,
+                                  timeout_s: float = 900) -> tuple[dict, list[dict]]:
+    """SIGKILL the driver once a checkpoint of RL stage `stage` exists and a later step was logged;
+    (latest.json, metric rows) as the killed run left them.
+
+    The driver is stopped (SIGSTOP) before the files are read, so what the test sees is exactly what the
+    killed run left behind: only the driver writes metrics and latest.json."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        latest, rows = read_latest(run_dir), read_rows(run_dir)
+        if latest and latest["stage"] == stage and any(r["step"] > latest["step"] for r in rows):
+            os.kill(proc.pid, signal.SIGSTOP)
+            latest, rows = read_latest(run_dir), read_rows(run_dir)
+            if any(r["step"] > latest["step"] for r in rows) and latest["step"] < last_step:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+                return latest, rows
+            os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.1)
+    raise AssertionError("no RL checkpoint followed by a logged step within the time limit")
+
+
+def tensorboard_steps(log_dir: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
 def marked_processes(marker: str) -> dict[int, str]:
     """pid -> command line of every live process whose environment carries `marker`."""
     found = {}

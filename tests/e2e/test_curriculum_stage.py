@@ -15,37 +15,43 @@ on `strings` with `difficulty: adaptive`), SIGKILLed during the RL stage and fin
    profile whose crossing lies inside the levels.
 2. The schedulers' state is in the checkpoint and survives the kill: the resumed run does not calibrate
    again and its group count continues from the checkpoint's.
+3. `zrl run --resume` continues the killed cascade where it stopped: nothing of the killed run survives
+   it, a run without `--resume` refuses the run directory, the final metrics hold every step once (the
+   killed run's rows after the checkpoint are replaced, TensorBoard's too), the buffer's counters
+   continue and no prompt is trained twice, the rollout worker continues its prompt stream, both stages
+   are exported and plotted.
 """
 
 import json
 import logging
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from e2e_testlib import ROOT, ZRL, kill_marked, read_latest, read_rows, run_zrl, start_zrl, wait_until_gone, zrl_env
+import yaml
+from e2e_testlib import (
+    ROOT,
+    ZRL,
+    interrupt_after_rl_checkpoint,
+    kill_marked,
+    read_latest,
+    read_rows,
+    run_zrl,
+    start_zrl,
+    tensorboard_steps,
+    wait_until_gone,
+    zrl_env,
+)
 
 log = logging.getLogger(__name__)  # measured values; visible with pytest --log-cli-level=INFO
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-RL_STAGE = "copy_rl_adaptive"
+RECIPE = "recipes/tiny-curriculum-cpu.yaml"
+STAGES = {s["name"]: s for s in yaml.safe_load((ROOT / RECIPE).read_text())["stages"]}
+SFT_STAGE, RL_STAGE = "sft_warm_start", "copy_rl_adaptive"
+SFT_STEPS, RL_STEPS = STAGES[SFT_STAGE]["steps"], STAGES[RL_STAGE]["steps"]
+TOTAL = SFT_STEPS + RL_STEPS
 KEY = "curriculum/strings"
-
-
-def _kill_after_rl_checkpoint(proc, run_dir: Path, timeout_s: float = 900) -> dict:
-    """SIGKILL the driver once an RL checkpoint exists and a later step was logged; the checkpoint."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the run ended before it could be interrupted"
-        latest = read_latest(run_dir)
-        if latest and latest["stage"] == RL_STAGE and any(r["step"] > latest["step"] for r in read_rows(run_dir)):
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            return read_latest(run_dir)
-        time.sleep(0.2)
-    raise AssertionError("no RL checkpoint followed by a logged step within the time limit")
 
 
 def _held_out_accuracy(export: Path, level: int) -> float:
@@ -64,20 +70,26 @@ def _held_out_accuracy(export: Path, level: int) -> float:
 def interrupted_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("curriculum")
     run_dir = tmp / "run"
-    args = ["run", "recipes/tiny-curriculum-cpu.yaml", "--set", f"output_dir={run_dir}",
-            "--set", "metrics.wandb.enabled=false"]
+    args = ["run", RECIPE, "--set", f"output_dir={run_dir}", "--set", "metrics.wandb.enabled=false"]
     env = zrl_env()
     marker = env["ZRL_TEST_MARKER"]
     try:
         proc = start_zrl(args, env, tmp / "first.log")
-        checkpoint = _kill_after_rl_checkpoint(proc, run_dir)
-        assert not wait_until_gone(marker, timeout_s=120), "the killed run left processes behind"
+        checkpoint, rows_at_kill = interrupt_after_rl_checkpoint(proc, run_dir, RL_STAGE, TOTAL)
+        # The driver's Ray head (GCS, raylet) shares its fate and the workers follow within seconds; the
+        # raylet's agents would outlive it by about a minute, but the driver's reaper kills them.
+        killed_at = time.monotonic()
+        assert wait_until_gone(marker, timeout_s=15) == {}, "the killed driver left processes running"
+        log.info("fault: driver SIGKILLed | nothing of it running %.1f s later", time.monotonic() - killed_at)
         saved = json.loads((Path(checkpoint["path"]) / "trainer_state.json").read_text())["data_state"]
+        refused = run_zrl(args, env, tmp / "fresh.log")
         resumed_log = tmp / "resumed.log"
         rc = run_zrl([*args, "--resume"], env, resumed_log)  # ~1 min on 2 CPU cores
         assert rc == 0, resumed_log.read_text()[-6000:]
+        assert wait_until_gone(marker, timeout_s=30) == {}, "processes of the killed or the resumed run are alive"
         yield {"run_dir": run_dir, "checkpoint": checkpoint, "saved": saved, "first_log": (tmp / "first.log").read_text(),
-               "resumed_log": resumed_log.read_text()}
+               "resumed_log": resumed_log.read_text(), "rows_at_kill": rows_at_kill, "refused": refused,
+               "fresh_log": (tmp / "fresh.log").read_text()}
     finally:
         kill_marked(marker)
 
@@ -119,6 +131,50 @@ def test_the_scheduler_state_survives_a_killed_driver(interrupted_run):
     # a fresh scheduler would start from 0 groups and calibrate again; the restored one continues
     assert after[0][f"{KEY}/groups"] > groups_at_checkpoint
     assert all(r["curriculum/calibrating"] == 0.0 for r in after)
+
+
+def test_the_killed_run_resumes_to_the_end_with_every_step_once(interrupted_run):
+    run_dir, ckpt = interrupted_run["run_dir"], interrupted_run["checkpoint"]["step"]
+    assert interrupted_run["refused"] == 2 and "--resume" in interrupted_run["fresh_log"]
+    assert SFT_STEPS < ckpt < TOTAL
+    assert f"resuming from trainer step {ckpt} of stage '{RL_STAGE}'" in interrupted_run["resumed_log"]
+    rows = read_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, TOTAL + 1))
+    # Rows up to the checkpoint are the killed run's, untouched; later ones are the resumed run's.
+    before = {r["step"]: r for r in interrupted_run["rows_at_kill"]}
+    assert all(r == before[r["step"]] for r in rows if r["step"] <= ckpt)
+    replaced = [s for s in before if s > ckpt]
+    assert replaced and all(rows[s - 1]["time"] > before[s]["time"] for s in replaced)
+    assert [r["optim/version"] for r in rows] == [float(s) for s in range(1, TOTAL + 1)]
+
+    # The buffer continues from its checkpointed counters: one batch released per RL step, none twice.
+    per_batch = STAGES[RL_STAGE]["sampling"]["prompts_per_batch"]
+    assert rows[ckpt]["buffer/released"] == before[ckpt]["buffer/released"] + per_batch
+    last = rows[-1]
+    assert last["buffer/released"] == RL_STEPS * per_batch
+    assert last["buffer/received"] == last["buffer/dropped_zero_signal"] + last["buffer/admitted"]
+    assert last["ledger/duplicates"] == 0 and last["ledger/prompts"] == last["buffer/received"]  # no prompt twice
+    assert last["buffer/admitted"] == (last["buffer/released"] + last["buffer/evicted_capacity"]
+                                       + last["buffer/evicted_stale"] + last["buffer/discarded_on_resume"]
+                                       + last["buffer/occupancy"])
+    assert max(r["batch/max_staleness"] for r in rows if "batch/max_staleness" in r) <= 2
+
+    # The rollout worker continued its prompt stream instead of restarting it.
+    def worker_draws(step):
+        state = json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").read_text())
+        return state["data_state"]["workers"][0]["prompt_source"]["draws"]
+    assert worker_draws(TOTAL) > worker_draws(ckpt)
+
+    # TensorBoard shows each step once: the reader discards the killed run's events past the resume point.
+    assert tensorboard_steps(run_dir / "tensorboard", "optim/version") == list(range(1, TOTAL + 1))
+
+    for name, last_step in ((SFT_STAGE, SFT_STEPS), (RL_STAGE, TOTAL)):
+        stage_dir = run_dir / "stages" / name
+        assert (stage_dir / "hf" / "config.json").is_file()
+        assert (stage_dir / "summary.png").stat().st_size > 10_000
+        assert json.loads((stage_dir / "stage.json").read_text())["last_step"] == last_step
+    assert read_latest(run_dir)["step"] == TOTAL
+    assert not (run_dir / "driver.json").exists()
 
 
 def test_an_rlve_gym_stage_with_adaptive_difficulty_runs_on_the_tiny_model(tmp_path, tmp_path_factory):

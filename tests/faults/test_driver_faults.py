@@ -3,7 +3,8 @@ run: a trainer rank killed mid-stage (the controller restarts the trainer pool f
 checkpoint), then Ctrl-C (SIGINT to the terminal's process group: a checkpoint at the next step boundary,
 the resume command, exit 130, no traceback, nothing left running; the resumed run finishes with every step
 and prompt once).
-The SIGKILLed driver is tests/e2e/test_resume.py. The numbers are logged for bench/results/faults_cpu.md.
+The SIGKILLed driver is tests/e2e/test_curriculum_stage.py (its adaptive run is killed and resumed).
+The numbers are logged for bench/results/faults_cpu.md.
 """
 
 import logging
