@@ -134,7 +134,9 @@ def test_held_out_accuracy_is_logged_during_the_stage(async_run, eval_rows):
 
 def test_the_export_is_evaluated_on_the_stages_engine_as_a_fresh_engine_would(async_run):
     """The stage-end evaluation runs on the kept rollout worker, which loads the export from disk; `zrl
-    eval` of the export on an engine of its own (same problems, seeds and dtype) gives the same samples."""
+    eval` of the export on an engine of its own (same problems, seeds and dtype) gives the same samples.
+    That `zrl eval --json` also shows results on stdout, logs on stderr (tests/unit/cli/test_cli_output.py):
+    stdout is one JSON document, vLLM's lines and zrl's progress lines go to stderr."""
     run_dir, _, log = async_run
     assert "its export evaluated on the engine of rollout worker 0" in log
     recorded = json.loads((run_dir / "stages" / "rl" / "stage.json").read_text())["evaluation"][ENTRY]
@@ -145,6 +147,13 @@ def test_the_export_is_evaluated_on_the_stages_engine_as_a_fresh_engine_would(as
                           "--json"],
                          capture_output=True, text=True, timeout=600, env=run_env())
     assert out.returncode == 0, out.stderr[-4000:]
-    fresh = json.loads(out.stdout)
+    fresh = json.loads(out.stdout)  # the whole of stdout: vLLM's lines would make this fail
     for field in ("num_prompts", "accuracy", "mean_response_tokens", "reasons", "pass_at_k"):
         assert fresh[field] == recorded[field], field
+    prompts, samples = EVALUATION["prompts"], EVALUATION["samples"]
+    progress = [line for line in out.stderr.splitlines() if line.startswith("[zrl ") and "eval: " in line]
+    assert "starting the engine" in progress[1], progress
+    assert f"generating {prompts} prompt(s) x {samples} sample(s)" in progress[3], progress
+    assert f"{prompts} prompt(s) scored (0 skipped as too long): avg@{samples} " in progress[-1], progress
+    assert "Resolved architecture" in out.stderr  # vLLM logged, to stderr
+    assert not [line for line in out.stderr.splitlines() if line.startswith("[zrl ") and "Triton" in line]
