@@ -46,6 +46,7 @@ SHARED_SESSION_DIRS = ("tests/integration/serving/",)
 # `ray stop`, which stops every Ray instance of the user, so they run while no other test holds Ray.
 RAY_DIRS = ("tests/integration/", "tests/faults/", "tests/e2e/")
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+RAY_WAIT = "ray_turn_wait_s"  # user property of a set-up report: seconds its module waited for its Ray turn
 
 if XDIST_WORKER:
     # One intra-op thread per worker: two workers with two OpenMP threads each on two cores spend their time
@@ -77,6 +78,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: "ray_exclusive" not in item.keywords)  # stable: the rest keep their order
 
 
+_unreported_wait_s: dict[Path, float] = {}  # module -> its Ray-turn wait, until its first set-up report carries it
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.when == "setup" and item.path in _unreported_wait_s:  # sent to the xdist controller with the report
+        report.user_properties.append((RAY_WAIT, _unreported_wait_s.pop(item.path)))
+    return report
+
+
 def _lock_path() -> Path:
     uid = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
     return Path(tempfile.gettempdir()) / f"zrl-tests-ray-{uid}.lock"
@@ -92,7 +104,9 @@ def _ray_turn(request):
         return
     exclusive = request.node.get_closest_marker("ray_exclusive") is not None
     with _lock_path().open("a") as handle:
+        asked = time.monotonic()
         fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        _unreported_wait_s[request.path] = time.monotonic() - asked  # in the set-up of the module's first test
         try:
             yield
         finally:
@@ -102,6 +116,8 @@ def _ray_turn(request):
 # ---- The suite's wall time and its slowest tests, printed at the end of every run ----------------------------
 KINDS = ("tests/unit/", "zrl/", "tests/distributed/", "tests/integration/", "tests/faults/", "tests/e2e/")
 _durations: dict[str, float] = {}
+_spans: dict[str, list[tuple[float, float, str]]] = {}  # worker -> (start, stop, nodeid) of each report
+_ray_wait_s: dict[str, float] = {}                       # worker -> seconds its modules waited for their Ray turn
 _started = time.monotonic()
 
 
@@ -109,6 +125,30 @@ def pytest_runtest_logreport(report):
     """Setup, call and teardown of a test, summed: the time a test costs the suite (a module or session
     fixture's set-up counts in the test that first needed it). Under xdist the controller sees every report."""
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    node = getattr(report, "node", None)  # the worker that ran it (xdist)
+    worker = node.gateway.id if node is not None else "main"
+    _spans.setdefault(worker, []).append((report.start, report.stop, report.nodeid))
+    if report.when == "setup":
+        waited = dict(report.user_properties).get(RAY_WAIT, 0.0)
+        _ray_wait_s[worker] = _ray_wait_s.get(worker, 0.0) + waited
+
+
+def _worker_lines(wall_end: float) -> list[str]:
+    """Per worker: minutes busy, waiting for a Ray turn (inside `busy`), idle between tests and at the end,
+    and the longest idle gap with the test that followed it."""
+    lines = []
+    first = min(start for spans in _spans.values() for start, _, _ in spans)
+    for worker, spans in sorted(_spans.items()):
+        spans = sorted(spans)
+        busy = sum(stop - start for start, stop, _ in spans)
+        gaps = [(b[0] - a[1], b[2]) for a, b in zip(spans, spans[1:])]
+        longest = max(gaps, default=(0.0, ""))
+        tail = wall_end - spans[-1][1]
+        lines.append(f"{worker}: busy {busy / 60:.1f} min (waiting for a Ray turn {_ray_wait_s.get(worker, 0) / 60:.1f}), "
+                     f"idle between tests {sum(g for g, _ in gaps) / 60:.1f} min (longest {longest[0]:.0f} s, before "
+                     f"{longest[1] or '-'}), started {(spans[0][0] - first):.0f} s in, done {tail / 60:.1f} min "
+                     "before the end")
+    return lines
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -127,6 +167,8 @@ def pytest_terminal_summary(terminalreporter):
         entry[0] += 1
         entry[1] += seconds
     write("  ".join(f"{kind}: {n} tests {s / 60:.1f} min" for kind, (n, s) in by_kind.items()))
+    for line in _worker_lines(time.time()):
+        write(line)
     write("20 slowest tests (setup + call + teardown):")
     for nodeid, seconds in sorted(_durations.items(), key=lambda kv: -kv[1])[:20]:
         write(f"  {seconds:7.1f} s  {nodeid}")
