@@ -16,8 +16,9 @@ router latent R 256, V 262,272) against, in the same run and with the same weigh
 Rows are grouped: "vs ref" and "vs HF" are speed-ups (baseline time / row time, > 1 = faster) against
 the group's reference and transformers rows. TFLOP/s and GB/s use the formulas of moepp_kernels_work.py
 (useful work: routed tokens only, causal attention half, no recomputation), and "%pk" is the share of
-the device's peak (its PEAKS; n/a on CPU). A dense [T, D] x [D, 2F] GEMM is timed in the same run: the
-expert path's share of that rate is the number the ">= 70% at >= 16k tokens" goal is about.
+the device's peak (moepp_kernels_work.device_peaks; n/a on CPU or an unlisted card). A dense
+[T, D] x [D, 2F] GEMM is timed in the same run: the expert path's share of that rate is the number the
+">= 70% at >= 16k tokens" goal is about.
 
 Timing: warm-up, then the implementations of a group interleaved round-robin, median of --iters;
 CUDA events on GPU, perf_counter on CPU. "fwd" runs the forward with autograd recording (as in

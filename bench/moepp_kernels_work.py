@@ -12,15 +12,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 
 import torch
 
 from zrl.moepp.config import MoEPPConfig
 
-# name, dense bf16 tensor-core FLOP/s (no sparsity), fp32 FMA FLOP/s (no tensor cores), HBM bytes/s, from
-# the vendor data sheets. Matched against torch.cuda.get_device_name in order: PCIe H100 before SXM.
-PEAKS = (("H100 PCIe", 756e12, 51e12, 2.0e12), ("H100", 989e12, 67e12, 3.35e12), ("H200", 989e12, 67e12, 4.8e12))
+# Dense bf16 tensor-core FLOP/s of the vendor data sheets (their "with sparsity" figure halved), the MFU
+# denominator as verl, torchtitan and prime-rl take it: (pattern, card, FLOP/s), the first pattern found in
+# torch.cuda.get_device_name (case ignored) wins, so a PCIe or NVL part comes before its SXM name ("NVIDIA H200",
+# "NVIDIA H800"). An H100 names its form factor or memory ("NVIDIA H100 PCIe", "... 80GB HBM3" = SXM, "HBM2e" =
+# PCIe); a name matching no row gets no figure (never a guess).
+BF16_DENSE_PEAKS = (
+    (r"\bH100 PCIe|\bH100\b.*\bHBM2e\b", "H100 PCIe", 756e12),
+    (r"\bH100 NVL\b", "H100 NVL", 835e12),
+    (r"\bH100 SXM|\bH100\b.*\bHBM3\b", "H100 SXM", 989e12),
+    (r"\bH200 NVL\b", "H200 NVL", 835e12),
+    (r"\bH200\b", "H200 SXM", 989e12),
+    (r"\bH800 PCIe|\bH800\b.*\bHBM2e\b", "H800 PCIe", 756e12),
+    (r"\bH800\b", "H800 SXM", 989e12),
+    (r"\bA100\b", "A100", 312e12),  # SXM4 and PCIe, 40 and 80 GB alike
+)
+# fp32 FMA FLOP/s (no tensor cores) and HBM bytes/s of the data sheets, by card (bench/moepp_kernels.py's columns).
+FP32_HBM_PEAKS = {"H100 PCIe": (51e12, 2.0e12), "H100 SXM": (67e12, 3.35e12), "H200 SXM": (67e12, 4.8e12)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,12 +336,20 @@ def training_step_ops(s: Shape, layers: int, doc_lens: Sequence[int], routed: in
     return ops
 
 
-def device_peaks(name: str) -> tuple[float, float, float] | None:
-    """(dense bf16 FLOP/s, fp32 FLOP/s, memory bytes/s) of a CUDA device name; None when unknown."""
-    for key, *peaks in PEAKS:
-        if key in name:
-            return tuple(peaks)
+def datasheet_bf16(name: str) -> tuple[str, float] | None:
+    """(card, dense bf16 FLOP/s) of a CUDA device name from BF16_DENSE_PEAKS; None when it has no row."""
+    for pattern, card, flops in BF16_DENSE_PEAKS:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return card, flops
     return None
+
+
+def device_peaks(name: str) -> tuple[float, float, float] | None:
+    """(dense bf16 FLOP/s, fp32 FLOP/s, memory bytes/s) of a CUDA device name; None when any is unknown."""
+    card = datasheet_bf16(name)
+    if card is None or card[0] not in FP32_HBM_PEAKS:
+        return None
+    return (card[1], *FP32_HBM_PEAKS[card[0]])
 
 
 def doc_lengths(tokens: int, doc_len: int, ragged: bool, seed: int = 0) -> list[int]:
