@@ -1,33 +1,49 @@
-"""One command that measures the trainer on one GPU: environment, `gpu` tests, kernel table, trainer steps.
+"""One command that measures the trainer on one GPU: environment, trainer steps and MFU, kernel table, `gpu` tests.
 
-On one H100/H200 in about 6 minutes it writes bench/results/<gpu>-<date>.md and a JSON twin:
-  env        device; torch, CUDA, Triton, transformers versions; the dense bf16 GEMM rate (8192^3) measured
-             now, the denominator of every MFU figure (a measured rate, not the data sheet's)
-  trainer    full RL steps through TrainerWorker, in-process (one FSDP2 rank on NCCL, world size 1; no
-             Ray) at the ZAYA1-8B layer shape cut to 4 and 8 layers, ~64k tokens per step in one
-             microbatch, activation checkpointing, bf16 parameters, kernels "auto": tokens/s, MFU,
-             optimizer share, peak memory, a torch.profiler top-20 table (self CUDA time) of one step
+On one H100/H200 in about 9 minutes (one 10-minute device call) it writes bench/results/<gpu>-<date>.md and
+its JSON twin:
+  env        device; torch, CUDA, Triton, transformers versions; the card's data-sheet dense bf16 peak
+             (moepp_kernels_work.BF16_DENSE_PEAKS; an unlisted card gets none, and the report says so) and
+             the dense bf16 GEMM rate (8192^3) measured now
+  trainer    full RL steps through TrainerWorker, in-process (one FSDP2 rank on NCCL, world size 1; no Ray)
+             at the ZAYA1-8B layer shape cut to 4 and 8 layers, kernels "auto", bf16 parameters; each step
+             --microbatches microbatches (default 2) of ~115k tokens (~1k-token documents, token budget
+             131,072: the recipe's trainer_microbatch_tokens), gradients accumulated, then one Muon + AdamW
+             step. 4 layers with full activation checkpointing, then with selective checkpointing
+             (resources.activation_checkpointing_selective), 8 layers full: tokens/s, MFU, optimizer
+             share, peak memory, a torch.profiler top-20 table (self CUDA time) of one 4-layer step
+  projection the 40-layer step of the recipe's 20 microbatches (RECIPE_MICROBATCHES), from the 4- and
+             8-layer steps: per token, compute time and model FLOPs are head + layers x layer (the head: LM
+             head, embedding, loss), the optimizer's seconds per step likewise; its tokens/s and MFU
+  fit        the largest layer count whose full trainer step (1 microbatch) fits the GPU: first the layer
+             count where the 4- and 8-layer peaks' line reaches FIT_MEMORY_SHARE of the device memory,
+             then up by ~10% while steps fit and down or in between once one runs out of memory; each try
+             a process of its own, an out-of-memory error a row of the report
   kernels    at 16k and 64k tokens, each op (lm_logprobs, experts, cca, attention, router,
              residual_norm, decoder layer) as the Triton kernel vs the PyTorch reference vs transformers'
              piece vs the library op (experts: torch._grouped_mm), fwd and fwd+bwd: ms, TFLOP/s and the
              share of a dense [T, D] x [D, 2F] GEMM timed in the same part (bench/moepp_kernels.py's
              groups; FLOPs from bench/moepp_kernels_work.py)
   gpu_tests  `pytest -m gpu zrl/modeling/kernels zrl/moepp/kernels`: counts and each failure's first line
-The report (summary, goals, Markdown) is gpu_probe_report.py. Each part runs in its own Python process
-under a time limit: a CUDA error or a hang ends that part
-only, what it measured before is kept, and time a part leaves unused goes to the later ones. In the
-kernel table a first call over FIRST_CALL_LIMIT_S is reported alone (compilation included: an upper
-bound, marked "~"), and an implementation whose forward takes over SLOW_FORWARD_S gets no fwd+bwd row.
+The report (summary, projection, goals, Markdown) is gpu_probe_report.py, the trainer parts and the fit
+search's arithmetic gpu_probe_trainer.py. Each part runs in its own Python process under a time limit: a CUDA error or a hang ends that part only, what it measured before is kept,
+and time a part leaves unused goes to the later ones. In the kernel table a first call over
+FIRST_CALL_LIMIT_S is reported alone (compilation included: an upper bound, marked "~"), and an
+implementation whose forward takes over SLOW_FORWARD_S gets no fwd+bwd row.
 
-MFU = model FLOPs per step / step time / the measured GEMM rate, with the model FLOPs per step
-(moepp_kernels_work.model_step_flops) 3 x forward =
+MFU = model FLOPs per step / step time / the card's data-sheet dense bf16 peak (989 TFLOP/s on an H100 SXM
+or H200: the convention of verl, torchtitan and prime-rl), printed beside the same over the measured GEMM
+(720-790 TFLOP/s on an H200). Model FLOPs per step (moepp_kernels_work.model_step_flops) = 3 x forward =
   3 x [ sum over layers l of ( 2 T D (2 Hq d + 2 Hk d)     q, k, v, o projections
-                              + 2 Hq d sum_i S_i^2          causal attention over documents S_i
+                              + 2 Hq d sum_i S_i^2          causal attention over documents S_i (half the
+                                                            S^2 score and value products)
                               + 2 T D R + router head       router
                               + 6 n_l D F                   experts, n_l tokens routed in layer l
-                              + CCA )                       convolutions, norms, RoPE
-        + 2 T V D ]                                          LM head, one GEMM
-Recomputation (activation checkpointing, an LM head split into several bf16 products) is not counted.
+                              + CCA )                       convolutions, RoPE
+        + 2 T V D ]                                          LM head, counted once as one bf16 GEMM
+Recomputation (activation checkpointing, an LM head split into several bf16 products) is not counted;
+norms, elementwise ops and the optimizer are not counted either.
+Goals (the report's summary): >= 30% of the data sheet projected at 40 layers, >= 20% measured at 4.
 
 --smoke   the same parts on CPU with tiny shapes (tests/unit/test_gpu_probe.py runs it); its rates
           are not claims about anything.
@@ -58,7 +74,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -78,14 +93,19 @@ sys.path.insert(0, str(ROOT / "bench"))  # moepp_kernels and its work formulas, 
 
 import torch  # noqa: E402
 
-from moepp_kernels_work import FULL, Shape, attention_work, doc_lengths, model_step_flops  # noqa: E402
-from gpu_probe_report import PartResult, goals, render, summarise  # noqa: E402
+from moepp_kernels_work import FULL, Shape, attention_work, doc_lengths  # noqa: E402
+from gpu_probe_report import FLOP_CONVENTION, PartResult, base_runs, goals, render, summarise  # noqa: E402
+from gpu_probe_trainer import (FIT_MEMORY_SHARE, first_line, next_fit_layers, part_trainer,  # noqa: E402
+                               predicted_fit_layers)
 from roofline import render_roofline  # noqa: E402
 
 # (part, argument, seconds it is planned to take): most important first; a later part gets what an
-# earlier one leaves unused. The sum is the default --budget-s less process start-ups.
-PLAN = (("env", "", 20), ("trainer", "4", 70), ("kernels", "16384", 70), ("kernels", "65536", 45),
-        ("trainer", "8", 45), ("gpu_tests", "", 90))
+# earlier one leaves unused. The sum is the default --budget-s less process start-ups. A trainer part's
+# argument: its layer count, then the activation checkpointing of each run (one TrainerWorker each).
+# Planned from the H200 run of 2026-11-27 (a 4-layer step of 64k tokens 2.6 s, 8 layers 3.0 s; checkpoints
+# written and read at ~1 s per GB): a fit try at ~35 layers takes ~70 s, two fit in its share.
+PLAN = (("env", "", 15), ("trainer", "4 full selective", 120), ("trainer", "8 full", 50), ("fit", "", 150),
+        ("kernels", "16384", 70), ("kernels", "65536", 45), ("gpu_tests", "", 60))
 SMOKE_ARGS = {"16384": "64", "65536": "128"}  # --smoke: kernel token counts on the tiny shape
 SMOKE_SHAPE = Shape(D=32, E=4, F=16, Hq=4, Hk=2, d=8, R=16, V=64, rotary=4)
 # The kernel part's ops, most important first; above OPS_ALL_UP_TO tokens the experts come first (their
@@ -96,6 +116,8 @@ OPS_LARGE = ("experts", "lm_logprobs", "attention", "cca", "router", "residual_n
 FIRST_CALL_LIMIT_S = 20.0  # a first call (compilation included) slower than this is not repeated
 SLOW_FORWARD_S = 5.0  # an implementation whose forward is slower than this is not run forward + backward
 TIMED_CALLS, CALL_BUDGET_S = 5, 0.5  # per implementation and mode, after the first call
+MICROBATCHES = 2  # --microbatches: per optimizer step of the trainer parts (the recipe runs ~20: RECIPE_MICROBATCHES)
+FIT_MOST_LAYERS, SMOKE_FIT_MOST_LAYERS = 96, 9  # the fit search's cap (--smoke: one try, at 9)
 
 
 # ---------------------------------------------------------------- running parts in child processes
@@ -133,6 +155,15 @@ def run_part(name: str, arg: str, command: list[str], rows_path: Path, timeout_s
     return PartResult(name, arg, status, time.monotonic() - start, rows, tail)
 
 
+def run_child(name: str, arg: str, tmp: Path, timeout_s: float, args: argparse.Namespace) -> PartResult:
+    """Part `name` with `arg` in a child process of this script (run_part); it stops its steps 10 s early."""
+    rows = tmp / f"{name}-{arg.replace(' ', '-')}.jsonl"
+    command = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--part-arg", arg, "--rows", str(rows),
+               "--steps", str(args.steps), "--microbatches", str(args.microbatches), "--doc-len", str(args.doc_len),
+               "--deadline", str(time.time() + timeout_s - 10)] + (["--smoke"] if args.smoke else [])
+    return run_part(name, arg, command, rows, timeout_s)
+
+
 class Rows:
     """A child part's output: one JSON object per line, flushed at once (a killed part keeps its rows)."""
 
@@ -145,8 +176,7 @@ class Rows:
 
 
 def error_row(emit: Rows, where: str, exc: BaseException) -> None:
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    emit("error", where=where, error=f"{type(exc).__name__}: {first}")
+    emit("error", where=where, error=first_line(exc))
 
 
 # ---------------------------------------------------------------- part: environment
@@ -276,135 +306,15 @@ def time_op(op: str, ctx, tokens: int, rate: float, timing: tuple[int, float], e
                      share_gemm=flops / seconds / rate, fp32=group.fp32, note=group.note)
 
 
-# ---------------------------------------------------------------- part: trainer steps
-
-def trainer_config(layers: int, smoke: bool):
-    from zrl.moepp.config import zaya1_8b_config
-
-    config = zaya1_8b_config()
-    if smoke:
-        config = dataclasses.replace(config, vocab_size=512, hidden_size=64, num_attention_heads=4,
-                                     num_key_value_heads=2, head_dim=16, moe_intermediate_size=64, num_experts=4,
-                                     router_hidden_size=16)
-    return dataclasses.replace(config, num_hidden_layers=layers)
-
-
-# rollouts per step and their prompt / response length ranges: 64 x ~1024 = ~64k tokens (smoke ~0.2k)
-BATCH = dict(num_groups=4, group_size=16, prompt_tokens=(128, 384), response_tokens=(512, 1024))
-SMOKE_BATCH = dict(num_groups=1, group_size=4, prompt_tokens=(8, 24), response_tokens=(16, 48))
-TOKEN_BUDGET = 131072  # one microbatch per step (the production microbatch size)
-
-
-def batch_work(batch, num_layers: int, num_experts: int) -> tuple[list[int], list[int]]:
-    """(document lengths as packed, tokens routed to an expert per layer) of a batch under router replay:
-    the recorded ids are the ones used (the last routing row of a rollout is never an input)."""
-    from zrl.trainer.packing import input_length
-
-    docs, routed = [], [0] * num_layers
-    for r in batch.rollouts():
-        n = input_length(len(r.prompt_ids), len(r.token_ids))
-        docs.append(n)
-        for layer, count in enumerate((r.routing[:n] < num_experts).sum(axis=0).tolist()):
-            routed[layer] += count
-    return docs, routed
-
-
-def part_trainer(args: argparse.Namespace, emit: Rows) -> None:
-    from zrl.config.schema import Algorithm, MuonSpec, Optimizer
-    from zrl.models import get_family
-    from zrl.moepp import MoEPPForCausalLM
-    from zrl.moepp.checkpoint import save_hf_checkpoint
-    from zrl.trainer import Rendezvous, TrainerSettings, TrainerWorker
-    from zrl.trainer.synthetic import synthetic_train_batch
-
-    cuda = torch.cuda.is_available()
-    layers = int(args.part_arg)
-    config = trainer_config(layers, args.smoke)
-    shape = Shape(D=config.hidden_size, E=config.num_experts, F=config.moe_intermediate_size,
-                  Hq=config.num_attention_heads, Hk=config.num_key_value_heads, d=config.head_dim,
-                  R=config.router_hidden_size, V=config.vocab_size, k0=config.cca_time0, k1=config.cca_time1,
-                  rotary=config.rotary_dim)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        torch.manual_seed(0)
-        with torch.device("cuda" if cuda else "cpu"):  # random weights: initialised on the GPU in seconds
-            model = MoEPPForCausalLM(config)
-        params = sum(p.numel() for p in model.parameters())
-        save_hf_checkpoint(model, tmp, dtype=dtype, max_shard_bytes=2 << 30)
-        del model
-        if cuda:
-            torch.cuda.empty_cache()
-        built = time.perf_counter()
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        settings = TrainerSettings(param_dtype="bfloat16" if cuda else "float32", kernels="auto",
-                                   activation_checkpointing=True, token_budget=TOKEN_BUDGET, max_response_tokens=1024,
-                                   optimizer=Optimizer(muon=MuonSpec(lr=1e-6)), algorithm=Algorithm(router_replay=True))
-        worker = TrainerWorker(Rendezvous("127.0.0.1", port, rank=0, world_size=1), tmp, settings)
-        emit("trainer_setup", layers=layers, params=params, shape=str(shape), build_s=built - start,
-             load_s=time.perf_counter() - built, dtype=str(dtype), kernels=settings.kernels,
-             checkpointing=settings.activation_checkpointing)
-        spec = SMOKE_BATCH if args.smoke else BATCH
-        model_shape = get_family(config.model_type).shape(config)
-        try:
-            last = None
-            for step in range(args.steps + 1):  # step 0 is the warm-up: compilation, allocator growth
-                # After the first timed step, stop while one more step and the profiled one still fit.
-                if step >= 2 and time.time() + 3 * last > args.deadline:
-                    emit("note", text=f"stopped after {step} steps: the part's time is running out")
-                    break
-                batch = synthetic_train_batch(vocab_size=config.vocab_size, shape=model_shape,
-                                              trainer_step=worker.version, seed=step, **spec)
-                metrics = worker.train_step(worker.share_of(batch))
-                last = metrics["perf/step_s"]
-                emit("trainer_step", **step_row(step, batch, metrics, shape, layers))
-            if last is not None and time.time() + 2 * last < args.deadline:
-                batch = synthetic_train_batch(vocab_size=config.vocab_size, shape=model_shape,
-                                              trainer_step=worker.version, seed=1000, **spec)
-                profile_step(worker, batch, cuda, emit)
-            else:
-                emit("note", text="no profiled step: the part's time is running out")
-        finally:
-            worker.shutdown()
-
-
-def step_row(step: int, batch, metrics: dict[str, float], shape: Shape, layers: int) -> dict:
-    docs, routed = batch_work(batch, layers, shape.E)
-    perf = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("perf/")}
-    return dict(step=step, warmup=step == 0, tokens=sum(docs), input_tokens=metrics["batch/input_tokens"],
-                docs=len(docs), routed=routed,
-                model_flops=model_step_flops(shape, layers, docs, routed), loss=metrics.get("loss/policy"), **perf)
-
-
-def profile_step(worker, batch, cuda: bool, emit: Rows, top: int = 20) -> None:
-    """One step under torch.profiler: the `top` ops by self device time (CPU time on CPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        metrics = worker.train_step(worker.share_of(batch))
-    events = list(prof.key_averages())
-
-    def self_device_us(e) -> float:  # the attribute's name moved between torch releases
-        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
-
-    key = self_device_us if cuda else (lambda e: float(e.self_cpu_time_total))
-    busy = sum(key(e) for e in events) / 1e6
-    rows = [dict(name=e.key[:90], calls=e.count, self_ms=key(e) / 1e3, self_cpu_ms=e.self_cpu_time_total / 1e3)
-            for e in sorted(events, key=key, reverse=True)[:top]]
-    emit("profile", step_s=metrics["perf/step_s"], timed=("self CUDA" if cuda else "self CPU"), busy_s=busy, top=rows)
-
-
 # ---------------------------------------------------------------- part: gpu tests
 
-def gpu_tests_command(xml: Path) -> list[str]:
+def gpu_tests_command(xml: Path, smoke: bool) -> list[str]:
     # In 8 processes where pytest-xdist is installed: one process compiled 29 of the ~170 tests' kernels in
-    # 74 s (H200, 2026-11-27); the GPU has room for eight.
-    workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []
-    return [sys.executable, "-m", "pytest", "-m", "gpu", "zrl/modeling/kernels", "zrl/moepp/kernels", "-q", "-p", "no:cacheprovider",
-            *workers, f"--junitxml={xml}"]
+    # 74 s (H200, 2026-11-27); the GPU has room for eight. Not with --smoke: on CPU every test skips, and
+    # eight start-ups took 25 s of 2 cores where one process takes 5 s.
+    workers = ["-n", "8"] if importlib.util.find_spec("xdist") and not smoke else []
+    return [sys.executable, "-m", "pytest", "-m", "gpu", "zrl/modeling/kernels", "zrl/moepp/kernels", "-q",
+            "-p", "no:cacheprovider", *workers, f"--junitxml={xml}"]
 
 
 def parse_junit(xml: Path) -> dict:
@@ -428,9 +338,40 @@ def parse_junit(xml: Path) -> dict:
     return {**counts, "failed": failures}
 
 
+# ---------------------------------------------------------------- part: the fit search
+
+def run_fit_search(parts: list[PartResult], args: argparse.Namespace, tmp: Path, timeout_s: float) -> list[PartResult]:
+    """The fit part: a try (a child process of part "fit") at each layer count next_fit_layers names, until the
+    search is settled or a try would outlast the part's time; the tries' results and the search's own row."""
+    start = time.monotonic()
+    s = summarise(parts)
+    peaks = {r["layers"]: r["peak_gib"] for r in base_runs(s["trainer"])}
+    memory_gib = s["env"].get("device", {}).get("memory_gib")
+    guess = predicted_fit_layers(peaks, memory_gib)
+    most = SMOKE_FIT_MOST_LAYERS if args.smoke else FIT_MOST_LAYERS
+    tried, results, stopped = [], [], "settled"
+    while (layers := next_fit_layers(tried, max(peaks, default=0), guess, most)) is not None:
+        left = start + timeout_s - time.monotonic()
+        if results and left < results[-1].seconds:
+            stopped = f"stopped: no time left for a try at {layers}"
+            break
+        result = run_child("fit", str(layers), tmp, left, args)
+        results.append(result)
+        kinds = {row["kind"] for row in result.rows}
+        if not kinds & {"oom", "trainer_step"}:
+            stopped = f"stopped: the try at {layers} ran no step ({result.status})"
+            break
+        tried.append((layers, "oom" not in kinds))
+    fits, ooms = [n for n, ok in tried if ok], [n for n, ok in tried if not ok]
+    row = dict(kind="fit_search", predicted=guess, memory_gib=memory_gib, memory_share=FIT_MEMORY_SHARE, most=most,
+               tried=tried, largest_fit=max(fits + list(peaks), default=None), smallest_oom=min(ooms, default=None),
+               stopped=stopped)
+    return results + [PartResult("fit", "search", "ok", time.monotonic() - start, [row])]
+
+
 # ---------------------------------------------------------------- main
 
-PARTS = {"env": part_env, "kernels": part_kernels, "trainer": part_trainer}
+PARTS = {"env": part_env, "kernels": part_kernels, "trainer": part_trainer, "fit": part_trainer}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -438,9 +379,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="folder of the results files")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI); no rate is a claim")
     ap.add_argument("--roofline", action="store_true", help="write the roofline estimate of a 4-layer 64k step")
-    ap.add_argument("--budget-s", type=float, default=345.0, help="wall-clock budget of the whole probe")
+    ap.add_argument("--budget-s", type=float, default=550.0, help="wall-clock budget of the whole probe")
     ap.add_argument("--parts", nargs="+", choices=sorted({*PARTS, "gpu_tests"}), help="run only these parts")
-    ap.add_argument("--steps", type=int, help="timed trainer steps after the warm-up (default 3, 1 with --smoke)")
+    ap.add_argument("--steps", type=int, help="timed trainer steps after the warm-up (default 2, 1 with --smoke)")
+    ap.add_argument("--microbatches", type=int, default=MICROBATCHES,
+                    help=f"microbatches per optimizer step of the trainer parts (default {MICROBATCHES})")
     ap.add_argument("--doc-len", type=int, default=1024, help="mean document length of the kernel table")
     ap.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)  # a child process: one part
     ap.add_argument("--part-arg", default="", help=argparse.SUPPRESS)
@@ -448,7 +391,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--deadline", type=float, default=math.inf, help=argparse.SUPPRESS)  # time.time() to stop by
     args = ap.parse_args(argv)
     if args.steps is None:
-        args.steps = 1 if args.smoke else 3
+        args.steps = 1 if args.smoke else 2
     return args
 
 
@@ -510,18 +453,18 @@ def main(argv: list[str] | None = None) -> Path:
             if timeout < 5:
                 parts.append(PartResult(name, arg, "skipped: no time left", 0.0, []))
                 continue
-            rows = Path(tmp) / f"{i}-{name}.jsonl"
             if name == "gpu_tests":
                 xml = Path(tmp) / "gpu_tests.xml"
-                result = run_part(name, arg, gpu_tests_command(xml), rows, timeout)
-                result.rows.append({"kind": "gpu_tests", **parse_junit(xml)})
+                results = [run_part(name, arg, gpu_tests_command(xml, args.smoke), Path(tmp) / "gpu_tests.jsonl",
+                                    timeout)]
+                results[0].rows.append({"kind": "gpu_tests", **parse_junit(xml)})
+            elif name == "fit":
+                results = run_fit_search(parts, args, Path(tmp), timeout)
             else:
-                command = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--part-arg", arg, "--rows",
-                           str(rows), "--steps", str(args.steps), "--doc-len", str(args.doc_len),
-                           "--deadline", str(time.time() + timeout - 10)] + (["--smoke"] if args.smoke else [])
-                result = run_part(name, arg, command, rows, timeout)
-            parts.append(result)
-            print(f"# {name} {arg}: {result.status} in {result.seconds:.0f} s", flush=True)
+                results = [run_child(name, arg, Path(tmp), timeout, args)]
+            parts += results
+            for result in results:
+                print(f"# {result.name} {result.arg}: {result.status} in {result.seconds:.0f} s", flush=True)
     summary = summarise(parts)
     device = summary["env"].get("device", {}).get("name", "unknown device")
     kernel_tokens = tuple(int(SMOKE_ARGS[t] if args.smoke else t) for t in ("16384", "65536"))
@@ -530,7 +473,7 @@ def main(argv: list[str] | None = None) -> Path:
                 command=" ".join(["python3", "bench/gpu_probe.py", *(argv if argv is not None else sys.argv[1:])]))
     path = results_path(args.out, device, args.smoke)
     path.write_text(render(summary, parts, meta))
-    twin = dict(meta=meta, summary=summary, goals=goals(summary, kernel_tokens),
+    twin = dict(meta=meta, flop_convention=FLOP_CONVENTION, summary=summary, goals=goals(summary, kernel_tokens),
                 parts=[dataclasses.asdict(p) | {"rows": None} for p in parts])
     path.with_suffix(".json").write_text(json.dumps(twin, indent=1, default=str) + "\n")
     for goal, measured, target, verdict in twin["goals"]:

@@ -1,5 +1,8 @@
-"""The GPU probe's report (bench/gpu_probe.py): the parts' rows summarised, the goals' verdicts, and the
-Markdown page of bench/results/<gpu>-<date>.md.
+"""The GPU probe's report (bench/gpu_probe.py): the parts' rows summarised, the trainer's step projected to
+ZAYA1-8B's 40 layers, the goals' verdicts, and the Markdown page of bench/results/<gpu>-<date>.md.
+
+Trainer rows carry their run ("4 full", "4 selective", "8 full", "fit 23"): a layer count and its activation
+checkpointing, or an attempt of the search for the largest layer count that fits.
 """
 
 from __future__ import annotations
@@ -8,14 +11,30 @@ import dataclasses
 import math
 import statistics
 
+from moepp_kernels_work import datasheet_bf16
 from roofline import MFU_GOAL, _num, _pct
 
 from zrl.modeling.kernels import AUTO_ON_CUDA
+from zrl.moepp.config import zaya1_8b_config
 
 GEMM_GOAL = 0.70
 # The fp32-level LM head does 12 bf16 GEMM-equivalents forward + backward where transformers' bf16 head
 # does 3: at equal GEMM efficiency it runs at 1/4 of that head's speed.
 LM_HEAD_GOAL = 0.25
+MFU_GOAL_MEASURED = 0.20  # of the data sheet, measured at the probe's smallest layer count (MFU_GOAL: projected)
+PROJECTED_LAYERS = zaya1_8b_config().num_hidden_layers  # 40
+# Microbatches per rank and optimizer step in recipes/zaya1-cascade.yaml: 128 prompts x 16 rollouts of
+# ~20.2k tokens (1,024 prompt + 19.2k mean response: zrl.plan's WorkloadSpec) over 16 trainer ranks, in
+# microbatches of trainer_microbatch_tokens = 131,072 (tests/unit/test_gpu_probe.py recomputes it).
+RECIPE_MICROBATCHES = 20
+FLOP_CONVENTION = (
+    "Model FLOPs per step (bench/moepp_kernels_work.py, `model_step_flops`) are 3 x the forward (backward = 2 x "
+    "forward): per layer the q, k, v, o projections, causal attention (2 Hq d sum S_i^2 over the documents S_i: "
+    "half of the S^2 score and value products), the router, the experts on the tokens routed to them and the CCA "
+    "convolutions; the LM head once, as one bf16 GEMM of 2 T V D FLOPs, whatever its fp32-accurate formulation "
+    "executes; recomputation (activation checkpointing) is not counted, nor are norms, elementwise ops and the "
+    "optimizer. MFU = model FLOPs / step time / the card's data-sheet dense bf16 peak (the denominator of verl, "
+    "torchtitan and prime-rl); beside it, the same over the 8192^3 bf16 GEMM measured in this run.")
 
 
 @dataclasses.dataclass
@@ -29,14 +48,19 @@ class PartResult:
 
 
 def summarise(parts: list[PartResult]) -> dict:
-    """Everything the report shows, from the parts' rows: env, trainer runs, kernel rows, tests, errors."""
-    out = dict(env={}, gemm=None, kernels=[], dense={}, trainer={}, gpu_tests=None, errors=[], notes=[])
+    """Everything the report shows, from the parts' rows: env, peaks, trainer runs and their projection,
+    the fit search, kernel rows, tests, errors."""
+    out = dict(env={}, gemm=None, datasheet=None, kernels=[], dense={}, trainer={}, fit=None, projection=None,
+               gpu_tests=None, errors=[], notes=[])
     for part in parts:
         label = f"{part.name} {part.arg}".strip()
         for full_row in part.rows:
             kind, row = full_row["kind"], {k: v for k, v in full_row.items() if k != "kind"}
+            run = out["trainer"].setdefault(row["run"], {"steps": []}) if "run" in row else None
             if kind == "env":
                 out["env"] = row
+                card = datasheet_bf16(row["device"]["name"])
+                out["datasheet"] = dict(card=card[0], tflops=card[1] / 1e12) if card else None
             elif kind == "gemm":
                 out["gemm"] = row
             elif kind == "kernel":
@@ -44,35 +68,108 @@ def summarise(parts: list[PartResult]) -> dict:
             elif kind == "dense_gemm":
                 out["dense"][row["tokens"]] = row
             elif kind == "trainer_step":
-                out["trainer"].setdefault(part.arg, {"steps": []})["steps"].append(row)
-            elif kind in ("trainer_setup", "profile"):
-                out["trainer"].setdefault(part.arg, {"steps": []})[kind] = row
+                run["steps"].append(row)
+            elif kind in ("trainer_setup", "profile", "oom"):
+                run[kind] = row
+            elif kind == "fit_search":
+                out["fit"] = row
             elif kind == "gpu_tests":
                 out["gpu_tests"] = row
             elif kind == "error":
                 out["errors"].append(f"{label}: {row['where']}: {row['error']}")
             else:
                 out["notes"].append(f"{label}: {row.get('text', row)}")
-    gemm = out["gemm"]["tflops"] * 1e12 if out["gemm"] else math.nan
     for run in out["trainer"].values():
-        timed = [s for s in run["steps"] if not s["warmup"]]
-        warmup_only = not timed
-        timed = timed or run["steps"]  # a part that ran out of time after its warm-up: that step, marked
-        if timed:
-            step_s = statistics.median(s["step_s"] for s in timed)
-            flops = statistics.median(s["model_flops"] / s["step_s"] for s in timed)
-            run["summary"] = dict(
-                steps=len(timed), warmup_only=warmup_only, step_s=step_s,
-                tokens=statistics.median(s["tokens"] for s in timed),
-                tokens_per_s=statistics.median(s["tokens"] / s["step_s"] for s in timed), tflops=flops / 1e12,
-                mfu=flops / gemm, optimizer_share=statistics.median(s["optimizer_s"] / s["step_s"] for s in timed),
-                peak_gib=max(s["peak_memory_gib"] for s in run["steps"]), warmup_s=run["steps"][0]["step_s"])
+        if run["steps"]:
+            run["summary"] = run_summary(run, out)
+    base = base_runs(out["trainer"])
+    if len(base) >= 2:
+        projected = project(base[:2], PROJECTED_LAYERS, RECIPE_MICROBATCHES)
+        out["projection"] = projected | mfus(projected["flops"] / projected["step_s"], out)
     return out
+
+
+def base_runs(trainer: dict) -> list[dict]:
+    """Summaries of the trainer parts' full-checkpointing runs (not the fit search's), fewest layers first."""
+    return sorted((r["summary"] for r in trainer.values()
+                   if "summary" in r and r["summary"]["checkpointing"] == "full" and not r["summary"]["fit"]),
+                  key=lambda r: r["layers"])
+
+
+def mfus(flops_per_s: float, s: dict) -> dict:
+    """MFU against the data sheet (nan where the card has no figure) and against the measured GEMM."""
+    gemm = s["gemm"]["tflops"] * 1e12 if s["gemm"] else math.nan
+    peak = s["datasheet"]["tflops"] * 1e12 if s["datasheet"] else math.nan
+    return dict(mfu_datasheet=flops_per_s / peak, mfu_gemm=flops_per_s / gemm)
+
+
+def run_summary(run: dict, s: dict) -> dict:
+    """Medians of a run's timed steps (the warm-up step alone, marked, when it is all there is)."""
+    setup = run.get("trainer_setup", {})
+    timed = [st for st in run["steps"] if not st["warmup"]] or run["steps"]
+
+    def median(f) -> float:
+        return statistics.median(f(st) for st in timed)
+
+    flops = median(lambda st: st["model_flops"] / st["step_s"])
+    return dict(
+        layers=setup.get("layers"), checkpointing=setup.get("checkpointing"), fit=setup.get("fit", False),
+        steps=len(timed), warmup_only=not any(not st["warmup"] for st in run["steps"]),
+        step_s=median(lambda st: st["step_s"]), tokens=median(lambda st: st["tokens"]),
+        microbatches=median(lambda st: st["microbatches"]),
+        tokens_per_microbatch=median(lambda st: st["tokens"] / st["microbatches"]),
+        tokens_per_s=median(lambda st: st["tokens"] / st["step_s"]), tflops=flops / 1e12, **mfus(flops, s),
+        optimizer_s=median(lambda st: st["optimizer_s"]),
+        optimizer_share=median(lambda st: st["optimizer_s"] / st["step_s"]),
+        compute_s_per_token=median(lambda st: (st["step_s"] - st["optimizer_s"]) / st["tokens"]),
+        flops_per_token=median(lambda st: st["model_flops"] / st["tokens"]),
+        peak_gib=max(st["peak_memory_gib"] for st in run["steps"]), warmup_s=run["steps"][0]["step_s"])
+
+
+def project(runs: list[dict], layers: int, microbatches: int) -> dict:
+    """A step of `layers` layers and `microbatches` microbatches of the measured size, from the summaries of
+    two runs at different layer counts: per token, the compute seconds (the step less its optimizer) and the
+    model FLOPs are head + layers x layer, and so are the optimizer's seconds per step. The head is what does
+    not grow with the layers (embedding, final norm, LM head and loss; AdamW's parameters), a layer one
+    decoder layer (its Muon matrices in the optimizer's line)."""
+    a, b = runs
+
+    def line(key: str) -> tuple[float, float]:  # (head, per layer)
+        per_layer = (b[key] - a[key]) / (b["layers"] - a["layers"])
+        return a[key] - a["layers"] * per_layer, per_layer
+
+    (compute_head, compute_layer), (flops_head, flops_layer) = line("compute_s_per_token"), line("flops_per_token")
+    optimizer_head, optimizer_layer = line("optimizer_s")
+    tokens = microbatches * (a["tokens_per_microbatch"] + b["tokens_per_microbatch"]) / 2
+    step_s = tokens * (compute_head + layers * compute_layer) + optimizer_head + layers * optimizer_layer
+    flops = tokens * (flops_head + layers * flops_layer)
+    return dict(layers=layers, microbatches=microbatches, tokens=tokens, step_s=step_s, flops=flops,
+                tflops=flops / step_s / 1e12, from_layers=(a["layers"], b["layers"]),
+                compute_head_s_per_token=compute_head, compute_layer_s_per_token=compute_layer,
+                flops_head_per_token=flops_head, flops_layer_per_token=flops_layer,
+                optimizer_head_s=optimizer_head, optimizer_layer_s=optimizer_layer)
 
 
 def kernel_row(s: dict, tokens: int, group: str, impl: str, mode: str) -> dict | None:
     key = (tokens, group, impl, mode)
     return next((r for r in s["kernels"] if (r["tokens"], r["group"], r["impl"], r["mode"]) == key), None)
+
+
+def _verdict(ok: bool | None) -> str:
+    return "-" if ok is None else ("met" if ok else "NOT met")
+
+
+def mfu_goal_row(s: dict, goal: str, found: dict | None, target: float) -> tuple[str, str, str, str]:
+    """(goal, measured, target, verdict) of an MFU against the data sheet; no verdict without its figure."""
+    if found is None:
+        return goal, "not measured", f">= {target:.0%} of the data sheet", "-"
+    gemm = f"{_pct(found['mfu_gemm'])} of the measured GEMM"
+    if s["datasheet"] is None:
+        device = s["env"].get("device", {}).get("name", "this device")
+        return goal, f"{gemm}; no data-sheet peak for {device}", f">= {target:.0%} of the data sheet", "-"
+    mfu = found["mfu_datasheet"]
+    return (goal, f"{_pct(mfu)} of {s['datasheet']['card']} {s['datasheet']['tflops']:.0f} TFLOP/s ({gemm})",
+            f">= {target:.0%} of the data sheet", _verdict(mfu >= target))
 
 
 def goals(s: dict, kernel_tokens: tuple[int, int]) -> list[tuple[str, str, str, str]]:
@@ -81,37 +178,36 @@ def goals(s: dict, kernel_tokens: tuple[int, int]) -> list[tuple[str, str, str, 
         a, b = kernel_row(s, tokens, group, base, mode), kernel_row(s, tokens, group, impl, mode)
         return a["ms"] / b["ms"] if a and b else math.nan
 
-    def verdict(ok: bool | None) -> str:
-        return "-" if ok is None else ("met" if ok else "NOT met")
-
     small, large = kernel_tokens
-    rows = []
-    run = s["trainer"].get("4", {}).get("summary")
-    mfu = run["mfu"] if run else math.nan
-    measured = _pct(mfu) + (f" ({run['tflops']:.0f} TFLOP/s{', warm-up step only' if run['warmup_only'] else ''})"
-                            if run else "")
-    rows.append(("MFU fwd+bwd, 4 layers x ~64k tokens", measured, f">= {MFU_GOAL:.0%}",
-                 verdict(None if math.isnan(mfu) else mfu >= MFU_GOAL)))
+    full, p = base_runs(s["trainer"]), s["projection"]
+    first = full[0] if full else None
+    how = (f" ({first['microbatches']:.0f} microbatches of ~{first['tokens_per_microbatch']:,.0f} tokens per step"
+           f"{', warm-up step only' if first['warmup_only'] else ''})" if first else "")
+    rows = [mfu_goal_row(s, f"MFU at {first['layers'] if first else '-'} layers, measured{how}", first,
+                         MFU_GOAL_MEASURED),
+            mfu_goal_row(s, f"MFU at {PROJECTED_LAYERS} layers, projected"
+                         + (f" from {p['from_layers'][0]} and {p['from_layers'][1]} ({p['microbatches']} microbatches "
+                            "per step, the recipe's)" if p else ""), p, MFU_GOAL)]
     head = AUTO_ON_CUDA["lm_logprobs"]  # what the trainer runs; its fp32-level accuracy costs ~4x a bf16 head
     for mode in ("fwd", "fwd+bwd"):
         r = ratio("lm_logprobs", "transformers", head, mode, small)
         rows.append((f"LM head {mode} at {small}: transformers (bf16) ms / {head} ms", _num(r, ".2f") + "x",
-                     f">= {LM_HEAD_GOAL}x", verdict(None if math.isnan(r) else r >= LM_HEAD_GOAL)))
+                     f">= {LM_HEAD_GOAL}x", _verdict(None if math.isnan(r) else r >= LM_HEAD_GOAL)))
     for tokens in (small, large):
         shares = {impl: kernel_row(s, tokens, "experts", impl, "fwd") for impl in ("triton", "grouped_mm")}
         text = ", ".join(f"{impl} {_pct(r['share_gemm'] if r else math.nan)}" for impl, r in shares.items())
         best = max((r["share_gemm"] for r in shares.values() if r), default=math.nan)
         rows.append((f"experts fwd share of the dense GEMM at {tokens}", text, f">= {GEMM_GOAL:.0%}",
-                     verdict(None if math.isnan(best) else best >= GEMM_GOAL)))
+                     _verdict(None if math.isnan(best) else best >= GEMM_GOAL)))
     for group in ("cca", "layer"):
         r = ratio(group, "reference", "triton", "fwd+bwd", small)
         rows.append((f"{group} fwd+bwd at {small}: reference ms / triton ms", _num(r, ".2f") + "x", "> 1x",
-                     verdict(None if math.isnan(r) else r > 1.0)))
+                     _verdict(None if math.isnan(r) else r > 1.0)))
     t = s["gpu_tests"]
     if t and "tests" in t:
         bad = t["failures"] + t["errors"]
         rows.append(("`gpu` tests", f"{t['passed']} passed, {bad} failed, {t['skipped']} skipped", "all pass",
-                     verdict(None if t["passed"] + bad == 0 else bad == 0)))
+                     _verdict(None if t["passed"] + bad == 0 else bad == 0)))
     else:
         rows.append(("`gpu` tests", (t or {}).get("error", "not run"), "all pass", "-"))
     return rows
@@ -123,23 +219,30 @@ def _count(n: float) -> str:
 
 def render(s: dict, parts: list[PartResult], meta: dict) -> str:
     env, dev = s["env"], s["env"].get("device", {})
-    v, gemm = env.get("versions", {}), s["gemm"]
+    v, gemm, sheet = env.get("versions", {}), s["gemm"], s["datasheet"]
     hardware = f"{dev['memory_gib']:.0f} GiB, {dev['sms']} SMs, sm {dev['capability']}; " if dev.get("sms") else ""
     lines = [f"# GPU probe: {dev.get('name', 'unknown device')}, {meta['date']}", ""]
     if meta["smoke"]:
         lines += ["**Smoke run (tiny shapes on CPU): it checks the probe runs; no rate here is a claim.**", ""]
+    peak = (f"Data-sheet dense bf16 peak of the {sheet['card']}: **{sheet['tflops']:.0f} TFLOP/s** (the MFU "
+            "denominator)" if sheet else "No data-sheet peak for this device (not in bench/moepp_kernels_work.py's "
+            "BF16_DENSE_PEAKS): MFU against the measured GEMM only")
+    measured = (f"dense GEMM {gemm['n']}^3 {gemm['dtype']} measured: {gemm['tflops']:.1f} TFLOP/s"
+                + (f" ({_pct(gemm['tflops'] / sheet['tflops'])} of the data sheet)" if sheet else "")
+                if gemm else "dense GEMM: not measured")
     lines += [f"torch {env.get('torch')} (CUDA {env.get('cuda')}), Triton {v.get('triton')}, transformers "
               f"{v.get('transformers')}, Python {env.get('python')}; commit {meta['commit']}; {hardware}"
               f"kernels auto on CUDA: {env.get('auto_on_cuda') or 'not recorded'}.",
-              f"Dense GEMM {gemm['n']}^3 {gemm['dtype']}: **{gemm['tflops']:.1f} TFLOP/s** (the MFU denominator)."
-              if gemm else "Dense GEMM: not measured.",
+              f"{peak}; {measured}.",
               f"Command: `{meta['command']}`; {meta['wall_s']:.0f} s wall of a {meta['budget_s']:.0f} s budget.", "",
+              f"MFU convention: {FLOP_CONVENTION}", "",
               "## Summary", "", "| goal | measured | target | |", "|---|---|---|---|"]
     lines += [f"| {g} | {m} | {t} | {v_} |" for g, m, t, v_ in goals(s, meta["kernel_tokens"])]
+    lines += render_runs(s) + render_projection(s) + render_fit(s)
     lines += ["", "## Parts", "", "| part | status | s |", "|---|---|---|"]
     lines += [f"| {p.name} {p.arg} | {p.status} | {p.seconds:.0f} |" for p in parts]
-    for layers, run in s["trainer"].items():
-        lines += render_trainer(layers, run, gemm["tflops"] * 1e12 if gemm else math.nan)
+    for name, run in s["trainer"].items():
+        lines += render_trainer(name, run)
     for tokens in sorted({r["tokens"] for r in s["kernels"]}):
         lines += render_kernels(s, tokens)
     t = s["gpu_tests"]
@@ -158,27 +261,102 @@ def render(s: dict, parts: list[PartResult], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_trainer(layers: str, run: dict, gemm: float) -> list[str]:
+def render_runs(s: dict) -> list[str]:
+    lines = ["", "## Trainer runs", "", "Full RL steps through TrainerWorker (one FSDP2 rank), medians of the timed "
+             "steps after a warm-up step; 'full' recomputes every layer in backward, 'selective' keeps the outputs of "
+             "its matrix multiplies and attention (resources.activation_checkpointing_selective).", "",
+             "| run | microbatches x tokens | step s | tokens/s | optimizer | MFU data sheet | MFU GEMM | peak GiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, run in s["trainer"].items():
+        r = run.get("summary")
+        if r is None:
+            lines.append(f"| {name} | {'out of memory' if 'oom' in run else 'no step'} | | | | | | |")
+            continue
+        lines.append(f"| {name}{' (warm-up only)' if r['warmup_only'] else ''} | {r['microbatches']:.0f} x "
+                     f"{r['tokens_per_microbatch']:,.0f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                     f"{_pct(r['optimizer_share'])} | {_pct(r['mfu_datasheet'])} | {_pct(r['mfu_gemm'])} | "
+                     f"{r['peak_gib']:.1f} |")
+    return lines
+
+
+def render_projection(s: dict) -> list[str]:
+    p = s["projection"]
+    lines = ["", f"## Projection to {PROJECTED_LAYERS} layers", ""]
+    if p is None:
+        return lines + ["Not projected: it needs full-checkpointing steps at two layer counts."]
+    a, b = p["from_layers"]
+    mb = p["tokens"] / p["microbatches"]
+    return lines + [
+        f"From the {a}- and {b}-layer runs: per token, compute (step less optimizer) and model FLOPs = head + layers "
+        "x layer, and the optimizer's seconds per step likewise; the head is what does not grow with the layers "
+        "(embedding, final norm, LM head and loss; AdamW's parameters).", "",
+        f"| per microbatch of ~{mb:,.0f} tokens | compute ms | model TFLOP | optimizer ms per step |",
+        "|---|---|---|---|",
+        f"| one layer | {p['compute_layer_s_per_token'] * mb * 1e3:.1f} | "
+        f"{p['flops_layer_per_token'] * mb / 1e12:.2f} | {p['optimizer_layer_s'] * 1e3:.1f} |",
+        f"| head | {p['compute_head_s_per_token'] * mb * 1e3:.1f} | {p['flops_head_per_token'] * mb / 1e12:.2f} | "
+        f"{p['optimizer_head_s'] * 1e3:.1f} |", "",
+        f"**Projected {PROJECTED_LAYERS}-layer step** of {p['microbatches']} microbatches (the recipe's; "
+        f"{p['tokens']:,.0f} tokens): {p['step_s']:.2f} s, {p['tokens'] / p['step_s']:,.0f} tokens/s, "
+        f"{p['tflops']:.1f} TFLOP/s = **MFU {_pct(p['mfu_datasheet'])} of the data sheet** "
+        f"({_pct(p['mfu_gemm'])} of the measured GEMM)."]
+
+
+def render_fit(s: dict) -> list[str]:
+    fit = s["fit"]
+    lines = ["", "## Largest layer count on one GPU", ""]
+    if fit is None:
+        return lines + ["Not searched."]
+    guess = (f"the first guess, {fit['predicted']} layers, is where the line through the measured peaks reaches "
+             f"{fit['memory_share']:.0%} of {fit['memory_gib']:.0f} GiB" if fit["predicted"] is not None else
+             "no first guess from the peaks (no device memory, or fewer than two measured peaks)")
+    largest = f"**{fit['largest_fit']} layers fit**" if fit["largest_fit"] else "no layer count was found to fit"
+    oom = (f"{fit['smallest_oom']} ran out of memory" if fit["smallest_oom"] else
+           f"none tried ran out of memory (the search stops at {fit['most']})")
+    lines += [f"Full trainer steps (1 microbatch, full checkpointing) at layer counts searched upward until one runs "
+              f"out of memory, then in between; {guess}. {largest}, {oom}; search {fit['stopped']}.", "",
+              "| layers | fits | peak GiB | step s | MFU data sheet | MFU projected from the runs above |",
+              "|---|---|---|---|---|---|"]
+    found = {r["summary"]["layers"]: r["summary"] for r in s["trainer"].values()
+             if "summary" in r and r["summary"]["fit"]}
+    base = base_runs(s["trainer"])[:2]
+    for layers, fits in fit["tried"]:
+        r = found.get(layers)
+        if r is None:
+            lines.append(f"| {layers} | {'yes' if fits else 'no'} | | | | |")
+            continue
+        expected = project(base, layers, round(r["microbatches"])) if len(base) == 2 else None
+        expected_mfu = mfus(expected["flops"] / expected["step_s"], s)["mfu_datasheet"] if expected else math.nan
+        lines.append(f"| {layers} | {'yes' if fits else 'no'} | {r['peak_gib']:.1f} | {r['step_s']:.3f} | "
+                     f"{_pct(r['mfu_datasheet'])} | {_pct(expected_mfu)} |")
+    return lines
+
+
+def render_trainer(name: str, run: dict) -> list[str]:
     setup, summ, prof = run.get("trainer_setup"), run.get("summary"), run.get("profile")
-    lines = ["", f"## Trainer: {layers} layers", ""]
+    lines = ["", f"## Trainer: {name}", ""]
     if setup:
-        lines.append(f"{_count(setup['params'])} parameters ({setup['shape']}), {setup['dtype']} parameters, kernels "
-                     f"{setup['kernels']}, activation checkpointing {setup['checkpointing']}; checkpoint built in "
+        lines.append(f"{setup['layers']} layers, {_count(setup['params'])} parameters ({setup['shape']}), "
+                     f"{setup['dtype']} parameters, kernels {setup['kernels']}, {setup['checkpointing']} activation "
+                     f"checkpointing, microbatches of up to {setup['token_budget']:,} tokens; checkpoint built in "
                      f"{setup['build_s']:.0f} s, TrainerWorker up in {setup['load_s']:.0f} s.")
+    if "oom" in run:
+        lines += ["", f"Out of memory: {run['oom']['error']}"]
     if summ:
         which = "the warm-up step only (compilation included)" if summ["warmup_only"] else \
             f"median of {summ['steps']} steps after the warm-up"
         lines += ["", f"{which.capitalize()}: **{summ['tokens_per_s']:,.0f} tokens/s**, {summ['step_s']:.3f} s per "
-                  f"step of {summ['tokens']:,.0f} tokens, {summ['tflops']:.1f} TFLOP/s = **MFU {_pct(summ['mfu'])}**, "
-                  f"optimizer {_pct(summ['optimizer_share'])} of the step, peak {summ['peak_gib']:.1f} GiB; "
+                  f"step of {summ['tokens']:,.0f} tokens, {summ['tflops']:.1f} TFLOP/s = **MFU "
+                  f"{_pct(summ['mfu_datasheet'])}** of the data sheet ({_pct(summ['mfu_gemm'])} of the measured "
+                  f"GEMM), optimizer {_pct(summ['optimizer_share'])} of the step, peak {summ['peak_gib']:.1f} GiB; "
                   f"warm-up step {summ['warmup_s']:.2f} s."]
-    lines += ["", "| step | tokens | docs | step s | fwd s | bwd s | optim s | tokens/s | model TFLOP | MFU | "
+    lines += ["", "| step | microbatches | tokens | docs | step s | fwd s | bwd s | optim s | tokens/s | model TFLOP | "
               "peak GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for st in run["steps"]:
-        lines.append(f"| {st['step']}{' (warm-up)' if st['warmup'] else ''} | {st['tokens']:,} | {st['docs']} | "
-                     f"{st['step_s']:.3f} | {st['forward_s']:.3f} | {st['backward_s']:.3f} | {st['optimizer_s']:.3f} "
-                     f"| {st['tokens'] / st['step_s']:,.0f} | {st['model_flops'] / 1e12:.2f} | "
-                     f"{_pct(st['model_flops'] / st['step_s'] / gemm)} | {st['peak_memory_gib']:.1f} |")
+        lines.append(f"| {st['step']}{' (warm-up)' if st['warmup'] else ''} | {st['microbatches']:.0f} | "
+                     f"{st['tokens']:,} | {st['docs']} | {st['step_s']:.3f} | {st['forward_s']:.3f} | "
+                     f"{st['backward_s']:.3f} | {st['optimizer_s']:.3f} | {st['tokens'] / st['step_s']:,.0f} | "
+                     f"{st['model_flops'] / 1e12:.2f} | {st['peak_memory_gib']:.1f} |")
     if prof:
         cpu_only = prof["timed"] == "self CPU"  # then the two time columns would be the same
         lines += ["", f"One step under torch.profiler ({prof['step_s']:.3f} s with the profiler on; {prof['timed']} "

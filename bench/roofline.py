@@ -13,7 +13,8 @@ import math
 from moepp_kernels_work import (FULL, LM_HEAD_DOTS, doc_lengths, model_step_flops, optimizer_shapes,
                                 training_step_ops)
 
-MFU_GOAL = 0.30  # the trainer's MFU goal (forward + backward), also the probe's verdict
+MFU_GOAL = 0.30  # the trainer's MFU goal (forward + backward): the probe holds its projected 40-layer step to it
+# against the data sheet; this estimate holds a 4-layer step to it against its GEMM rate (ROOFLINE)
 
 
 def _pct(x: float) -> str:
