@@ -2,9 +2,11 @@
 
 Options: `tasks` — a list of reasoning-gym dataset names, or a mapping name → that dataset's config
 keyword arguments (e.g. `{chain_sum: {min_terms: 2, max_terms: 3}}`). Prompts are drawn round-robin
-from a per-task generator seeded by (seed, task); `split="eval"` keeps the problems whose question text
-falls in the held-out hash bucket. reasoning-gym may give partial credit (e.g. a format score); this
-environment is binary: reward 1 only for a full score.
+over the tasks, starting at the task the seed picks (so draws of one prompt, as a mixture makes them,
+visit every task), from a per-task generator seeded by (seed, task); `split="eval"` keeps the problems
+whose question text falls in the held-out hash bucket, and a generator that yields too few of the split
+is asked for more (a draw of one problem lands in the other split one time in five). reasoning-gym may
+give partial credit (e.g. a format score); this environment is binary: reward 1 only for a full score.
 """
 
 import reasoning_gym
@@ -13,6 +15,7 @@ from zrl.env.base import Environment, extract_answer, in_split
 from zrl.types import Message, Prompt, Split
 
 DEFAULT_TASKS = ("basic_arithmetic", "chain_sum", "letter_counting", "spell_backward", "word_sorting")
+MAX_DOUBLINGS = 6  # a task's generator is asked for up to 64x the problems a draw needs
 _INSTRUCTION = "Reason inside <think></think>, then give only the final answer."
 
 
@@ -33,22 +36,32 @@ class ReasoningGym(Environment):
     def _dataset(self, task: str, size: int, seed: int):
         return reasoning_gym.create_dataset(task, size=size, seed=seed, **self.tasks[task])
 
+    def _pool(self, task: str, count: int, seed: int, split: Split) -> list[dict]:
+        """At least `count` problems of `split` from the task's generator seeded `seed`, fewer only when
+        it repeats itself; the generator is asked for 2x `count` (8x for eval, which keeps ~20%), then
+        for twice as many until enough are in the split."""
+        size = (8 if split == "eval" else 2) * count
+        for _ in range(MAX_DOUBLINGS + 1):
+            pool = [entry for entry in self._dataset(task, size, seed) if in_split(entry["question"], split)]
+            if len(pool) >= count:
+                break
+            size *= 2
+        if not pool:
+            raise ValueError(f"reasoning-gym task {task!r} produced no {split} problems for seed {seed} "
+                             f"among {size} generated")
+        return pool
+
     def sample(self, n: int, seed: int, split: Split = "train", difficulty: float | None = None) -> list[Prompt]:
         names = sorted(self.tasks)
-        per_task = -(-n // len(names))
-        pools = {}
-        for k, task in enumerate(names):
-            # Oversample so the held-out filter still leaves enough; eval keeps ~20% of problems.
-            size = 8 * per_task if split == "eval" else 2 * per_task
-            dataset = self._dataset(task, size, seed * 1000 + k)
-            pools[task] = [entry for entry in dataset if in_split(entry["question"], split)]
+        order = [names[(seed + index) % len(names)] for index in range(n)]
+        pools = {task: self._pool(task, order.count(task), seed * 1000 + names.index(task), split)
+                 for task in dict.fromkeys(order)}
+        taken = dict.fromkeys(pools, 0)
         prompts = []
-        for index in range(n):
-            task = names[index % len(names)]
+        for index, task in enumerate(order):
             pool = pools[task]
-            if not pool:
-                raise ValueError(f"reasoning-gym task {task!r} produced no {split} problems for seed {seed}")
-            entry = pool[(index // len(names)) % len(pool)]
+            entry = pool[taken[task] % len(pool)]
+            taken[task] += 1
             prompts.append(Prompt(
                 env=self.name, prompt_id=f"{self.name}:{split}:{seed}:{index}",
                 messages=(Message("user", f"{entry['question']}\n{_INSTRUCTION}"),),

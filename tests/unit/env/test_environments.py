@@ -76,7 +76,7 @@ def test_arithmetic_prompts_verify_and_demonstrations():
 def test_reasoning_gym_scores_with_its_own_scorer():
     env = ReasoningGym(tasks={"chain_sum": {"min_terms": 2, "max_terms": 2}, "basic_arithmetic": {}})
     prompts = env.sample(6, seed=5)
-    assert [p.payload["task"] for p in prompts] == ["basic_arithmetic", "chain_sum"] * 3
+    assert [p.payload["task"] for p in prompts] == ["chain_sum", "basic_arithmetic"] * 3  # from the seed's task on
     for prompt in prompts:
         assert env.verify(prompt, f"thinking...</think>{prompt.answer}") == 1.0
         assert env.verify(prompt, "</think>not a number") == 0.0
@@ -84,6 +84,17 @@ def test_reasoning_gym_scores_with_its_own_scorer():
     assert all(in_split(p.payload["entry"]["question"], "eval") for p in evals)
     with pytest.raises(ValueError, match="unknown reasoning-gym tasks"):
         ReasoningGym(tasks=["no_such_task"])
+
+
+def test_reasoning_gym_draws_of_one_prompt_visit_every_task_and_always_find_one():
+    """A mixture draws one prompt of an entry at a time: every draw gives a problem of the split (its first
+    generated problem is held out one time in five), and the tasks take turns across seeds."""
+    env = ReasoningGym(tasks=["letter_counting", "spell_backward"])
+    for split in ("train", "eval"):
+        drawn = [env.sample(1, seed=seed, split=split)[0] for seed in range(100)]
+        assert all(in_split(p.payload["entry"]["question"], split) for p in drawn)
+        tasks = [p.payload["task"] for p in drawn]
+        assert tasks.count("letter_counting") == tasks.count("spell_backward") == 50
 
 
 def test_math_verify_normalises_answers(tmp_path):
