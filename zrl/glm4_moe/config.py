@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 from typing import Any, ClassVar
 
-from zrl.modeling.config import ConfigError, leftover_keys, pop_required, pop_supported
+from zrl.modeling.config import ConfigError, leftover_keys, pop_expert_count, pop_required, pop_supported
 from zrl.types import NO_ROUTE
 
 MODEL_TYPE = "glm4_moe"
@@ -153,12 +153,6 @@ class Glm4MoEConfig:
                 raise ConfigError(f"{key} is not supported")
         for key in _MTP_KEYS:  # ignored: the forward pass does not depend on them (module docstring)
             cfg.pop(key, None)
-        num_experts = cfg.pop("n_routed_experts", None)
-        num_local = cfg.pop("num_local_experts", None)
-        if num_experts is None and num_local is None:
-            raise ConfigError("missing required config key 'n_routed_experts'")
-        if None not in (num_experts, num_local) and num_experts != num_local:
-            raise ConfigError(f"n_routed_experts={num_experts} and num_local_experts={num_local} disagree")
         fields = dict(
             vocab_size=pop_required(cfg, "vocab_size"),
             hidden_size=pop_required(cfg, "hidden_size"),
@@ -167,7 +161,7 @@ class Glm4MoEConfig:
             num_attention_heads=pop_required(cfg, "num_attention_heads"),
             num_key_value_heads=pop_required(cfg, "num_key_value_heads"),
             moe_intermediate_size=pop_required(cfg, "moe_intermediate_size"),
-            n_routed_experts=num_experts if num_experts is not None else num_local,
+            n_routed_experts=pop_expert_count(cfg, "n_routed_experts"),
             num_experts_per_tok=pop_required(cfg, "num_experts_per_tok"),
             **_parse_rope(cfg),
         )

@@ -37,6 +37,17 @@ def pop_required(cfg: dict[str, Any], key: str) -> Any:
     return cfg.pop(key)
 
 
+def pop_expert_count(cfg: dict[str, Any], key: str) -> int:
+    """The routed-expert count under the family's `key` or transformers' generic `num_local_experts`
+    (either or both, equal), popped."""
+    named, local = cfg.pop(key, None), cfg.pop("num_local_experts", None)
+    if named is None and local is None:
+        raise ConfigError(f"missing required config key '{key}' (or 'num_local_experts')")
+    if None not in (named, local) and named != local:
+        raise ConfigError(f"{key}={named} and num_local_experts={local} disagree")
+    return named if named is not None else local
+
+
 def pop_supported(cfg: dict[str, Any], key: str, expected: Any, why: str, *, allow_null: bool = True) -> None:
     """Pop `key` and raise unless it is absent, equal to the one supported value, or null (when `allow_null`)."""
     if key in cfg:

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any, ClassVar
 
-from zrl.modeling.config import ConfigError, leftover_keys, pop_required, pop_supported
+from zrl.modeling.config import ConfigError, leftover_keys, pop_expert_count, pop_required, pop_supported
 from zrl.types import NO_ROUTE
 
 
@@ -133,12 +133,6 @@ class Qwen3MoEConfig:
         for key in ("rope_scaling", "quantization_config"):
             if cfg.pop(key, None) is not None:
                 raise ConfigError(f"{key} is not supported")
-        num_experts = cfg.pop("num_experts", None)
-        num_local = cfg.pop("num_local_experts", None)
-        if num_experts is None and num_local is None:
-            raise ConfigError("missing required config key 'num_experts' (or 'num_local_experts')")
-        if None not in (num_experts, num_local) and num_experts != num_local:
-            raise ConfigError(f"num_experts={num_experts} and num_local_experts={num_local} disagree")
         fields = dict(
             vocab_size=pop_required(cfg, "vocab_size"),
             hidden_size=pop_required(cfg, "hidden_size"),
@@ -146,7 +140,7 @@ class Qwen3MoEConfig:
             num_attention_heads=pop_required(cfg, "num_attention_heads"),
             num_key_value_heads=pop_required(cfg, "num_key_value_heads"),
             moe_intermediate_size=pop_required(cfg, "moe_intermediate_size"),
-            num_experts=num_experts if num_experts is not None else num_local,
+            num_experts=pop_expert_count(cfg, "num_experts"),
             num_experts_per_tok=pop_required(cfg, "num_experts_per_tok"),
             rope_theta=_parse_rope(cfg),
             mlp_only_layers=tuple(cfg.pop("mlp_only_layers", None) or ()),
