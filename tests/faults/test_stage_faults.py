@@ -70,23 +70,31 @@ def assert_exactly_once(last: dict) -> None:
 
 
 def test_rollout_worker_killed_twice_trains_no_prompt_twice(ray_session, tmp_path, tmp_path_factory):
+    """Two RL stages; the second takes the first one's rollout worker over, and that worker is killed twice
+    in it: Ray restarts it with the first stage's arguments, and it must come back into the second."""
     ray = ray_session
     from zrl.pipeline.controller import Cascade
     from zrl.run import prepare_model
 
-    steps = 8
-    recipe = make_recipe(tmp_path, tmp_path_factory.getbasetemp() / "tiny-model", "coinflip_env:CoinFlip", steps)
+    steps, first_steps = 8, 2
+    data = recipe_data(tmp_path, tmp_path_factory.getbasetemp() / "tiny-model", steps=steps - first_steps)
+    data["stages"].insert(0, {**data["stages"][0], "name": "warm", "steps": first_steps,
+                              "sampling": {**data["stages"][0]["sampling"], "max_response_tokens": 4}})
+    recipe = parse_recipe(data)
     cascade = Cascade(recipe, prepare_model(recipe))
     outcome = {}
     runner = threading.Thread(target=lambda: outcome.update(step=cascade.run()), daemon=True)
     runner.start()
-    recovery = []
-    for at_step in (2, 5):
+    recovery, workers = [], []
+    for at_step in (1, 4, 6):
         deadline = time.monotonic() + 600
         while len(rows_of(tmp_path)) < at_step:
             assert runner.is_alive() and time.monotonic() < deadline, f"the stage did not reach step {at_step}"
             time.sleep(0.2)
         [worker] = cascade.rollout_pool.actors
+        workers.append(worker._actor_id.hex())
+        if at_step == 1:
+            continue
         killed_at, rows_before = time.monotonic(), len(rows_of(tmp_path))
         ray.kill(worker, no_restart=False)  # Ray restarts it (max_worker_restarts 3)
         while len(rows_of(tmp_path)) == rows_before and runner.is_alive():
@@ -94,6 +102,7 @@ def test_rollout_worker_killed_twice_trains_no_prompt_twice(ray_session, tmp_pat
         recovery.append(time.monotonic() - killed_at)
     runner.join(timeout=600)
     assert not runner.is_alive() and outcome.get("step") == steps
+    assert len(set(workers)) == 1, "the second stage started a rollout worker of its own"
     rows = rows_of(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     last = rows[-1]

@@ -12,8 +12,13 @@ what it hands on (`handoff`). With `evaluation.every_steps` the export's held-ou
 at the stage's last step (before the plot), the end of the curve the RL stage logged during training
 (zrl/pipeline/held_out.py). After the last stage, `cascade_report.html` (zrl/cascade_report.py). Every path of
 the run directory is named in zrl/run_dir.py.
-Rollout workers are per stage (their engine limits follow the stage's lengths) and get the trainer's
-weights before they generate. Checkpoints (torch.distributed.checkpoint, any number of ranks) go to
+Rollout workers outlive their stage: the workers of an RL stage that never died are kept with their
+engines (sized for the recipe's longest RL stage), worker 0 evaluates the stage's export, and the next
+RL stage takes them over (`RolloutWorker.begin_stage`: its own prompt stream and seeds, the same
+engine); a stage that is not followed by an RL stage stops them. Before an RL stage that follows an SFT
+stage, its worker 0 starts early and evaluates the SFT stage's export. An engine start on a GPU node
+takes minutes; consecutive RL stages pay it once. Every stage's workers get the trainer's weights before
+they generate. Checkpoints (torch.distributed.checkpoint, any number of ranks) go to
 `<output_dir>/checkpoints/step_XXXXXX`, with `latest.json` {stage, step, path} naming the newest complete
 one (written atomically after every rank has saved). Shutdown is the same on success, error and Ctrl-C:
 trainer ranks leave their process group, every actor is killed, both placement groups are removed.
@@ -68,7 +73,7 @@ from zrl.pipeline.faults import RANK_FAILURE_GRACE_S, reason_of, trainer_results
 from zrl.pipeline.health import ROLLBACK_SEED_STRIDE, rollbacks_made
 from zrl.pipeline.held_out import held_out_metrics, held_out_requests
 from zrl.pipeline.pools import Pool, release, reserve_pools
-from zrl.pipeline.rl_stage import RLStageRunner, StageContext
+from zrl.pipeline.rl_stage import RLStageRunner, StageContext, start_rollout_worker
 from zrl.pipeline.sft_stage import run_sft_stage
 from zrl.pipeline.trainer_rank import TrainerRank
 from zrl.run_dir import RunDir
@@ -197,7 +202,7 @@ class Cascade:
         self._frontier: dict | None = None  # running max solve rates at the end of the last RL stage
         self._curriculum: dict | None = None  # difficulty-scheduler state at the end of the last RL stage
         self._inherited: dict | None = None   # what the running stage took from the previous one (its record)
-        self._export_evaluator = None         # the ended RL stage's rollout worker, kept to evaluate its export
+        self._carried: dict = {}  # {index: RolloutWorker} kept between stages: evaluate the export, run the next RL stage
 
     def run(self) -> int:
         """Run every stage (from the resume point, if any); returns the final trainer step."""
@@ -313,29 +318,40 @@ class Cascade:
     def _run_rl_stage(self, stage, ranks: list, first_step: int, step: int, data_state: dict | None,
                       checkpoint) -> int:
         resume = {} if data_state is None else {"resume_step": step, "data_state": data_state}
-        # A rollback moves the stage's prompt and sampling stream on, so it does not replay what led to the alarm.
-        rollbacks = rollbacks_made(self.layout.alarms, stage.name)
-        ctx = StageContext(ranks=ranks, rollout_pool=self.rollout_pool, model_path=self.model_path,
-                           engine_dtype=self.recipe.model.dtype, kernels=self.recipe.model.kernels,
-                           token_budget=trainer_settings(self.recipe, stage).token_budget,
-                           seed=self.recipe.seed + first_step + ROLLBACK_SEED_STRIDE * rollbacks,
-                           run_dir=str(self.run_dir),
-                           log_metrics=self._log(stage), checkpoint=checkpoint,
-                           verifier_workers=self.recipe.resources.verifier_workers,
-                           cpus_per_verifier_worker=self.recipe.resources.cpus_per_verifier_worker,
-                           evaluation_seed=self.recipe.seed,
-                           prefix_caching=self.recipe.resources.rollout_prefix_caching)
+        ctx = self._stage_context(stage, first_step, ranks, checkpoint)
         # A resumed stage restores its own frontier and schedulers from `data_state`: it inherits nothing.
         inherits = data_state is None
         frontier = self._frontier if inherits and stage.inherit.length_reward_state else None
         curriculum = self._curriculum if inherits and stage.inherit.curriculum else None
+        carried, self._carried = self._carried, {}
         runner = RLStageRunner(stage, ctx, first_step=first_step, frontier=frontier, curriculum=curriculum,
-                               rollbacks=rollbacks, **resume)
+                               rollbacks=rollbacks_made(self.layout.alarms, stage.name), carried=carried, **resume)
         self._inherited = runner.inherited if inherits else None
         step = runner.run()
-        self._export_evaluator = runner.export_evaluator
+        self._carried = runner.kept_workers
         self._frontier, self._curriculum = runner.final_frontier, runner.final_curriculum
         return step
+
+    def _stage_context(self, stage: RLStage, first_step: int, ranks: list, checkpoint=None) -> StageContext:
+        """What the RL stage starting at trainer step `first_step` runs with. Its rollout engines are sized
+        for the recipe's longest RL stage and may restart as often as its most lenient one allows, so the
+        workers of one RL stage can run every later one (`_carried`)."""
+        rl_stages = [s for s in self.recipe.stages if isinstance(s, RLStage)]
+        # A rollback moves the stage's prompt and sampling stream on, so it does not replay what led to the alarm.
+        rollbacks = rollbacks_made(self.layout.alarms, stage.name)
+        return StageContext(ranks=ranks, rollout_pool=self.rollout_pool, model_path=self.model_path,
+                            engine_dtype=self.recipe.model.dtype, kernels=self.recipe.model.kernels,
+                            token_budget=trainer_settings(self.recipe, stage).token_budget,
+                            seed=self.recipe.seed + first_step + ROLLBACK_SEED_STRIDE * rollbacks,
+                            run_dir=str(self.run_dir),
+                            log_metrics=self._log(stage), checkpoint=checkpoint,
+                            verifier_workers=self.recipe.resources.verifier_workers,
+                            cpus_per_verifier_worker=self.recipe.resources.cpus_per_verifier_worker,
+                            evaluation_seed=self.recipe.seed,
+                            prefix_caching=self.recipe.resources.rollout_prefix_caching,
+                            engine_max_model_len=max(s.sampling.max_prompt_tokens + s.sampling.max_response_tokens
+                                                     for s in rl_stages),
+                            max_worker_restarts=max(s.asynchrony.max_worker_restarts for s in rl_stages))
 
     @contextlib.contextmanager
     def _reward_model(self, stage):
@@ -360,7 +376,8 @@ class Cascade:
         hf_dir = self.layout.stage_hf(stage.name)
         ray.get([r.export_hf.remote(str(hf_dir), self.recipe.model.dtype) for r in ranks])
         rollouts = {r.entry: str(stage.self_rollouts_path(self.recipe.output_dir, r.entry)) for r in stage.self_rollouts}
-        evaluation = self._evaluate_export(stage, hf_dir, rollouts, step)
+        following = self.recipe.stages[index + 1] if index + 1 < len(self.recipe.stages) else None
+        evaluation = self._evaluate_export(stage, hf_dir, rollouts, step, following if isinstance(following, RLStage) else None)
         first_step, last_step = stage_bounds(self.recipe)[index]
         if evaluation and stage.evaluation.every_steps is not None:  # the last point of the in-training curve
             results = [(k, EvalResult(**v)) for k, v in evaluation.items()]
@@ -381,11 +398,12 @@ class Cascade:
         log.info("stage %r finished at trainer step %d in %.0f s; policy exported to %s%s", stage.name, step,
                  elapsed_s, hf_dir, "" if summary is None else f", summary plot {summary}")
 
-    def _evaluate_export(self, stage, hf_dir: Path, rollouts: dict[str, str], version: int) -> dict[str, dict]:
+    def _evaluate_export(self, stage, hf_dir: Path, rollouts: dict[str, str], version: int,
+                         next_rl: RLStage | None) -> dict[str, dict]:
         """The stage's held-out evaluation and its self-rollouts files (`rollouts`: entry -> path), on the
-        rollout pool's first bundle (free between stages): on the engine of the RL stage's kept rollout
-        worker when it can serve every request, else on an engine of its own; returns {entry: result} of
-        the evaluation."""
+        rollout pool's first bundle (free between stages); returns {entry: result} of the evaluation. The
+        rollout workers kept from the stage go on to `next_rl`, the RL stage that follows, if any; else
+        they are stopped here."""
         e, specs = stage.evaluation, dict(zip(stage.entry_keys(), stage.environments))
         limit = stage.sampling.max_prompt_tokens if isinstance(stage, RLStage) else stage.max_sequence_tokens
         held_out = held_out_requests(stage)
@@ -394,17 +412,15 @@ class Cascade:
                                                   r.max_response_tokens, split="train",
                                                   save_rollouts=rollouts[r.entry], max_prompt_tokens=limit))
                             for r in stage.self_rollouts]
-        worker, self._export_evaluator = self._export_evaluator, None
         try:
-            results = self._run_export_evaluation(stage, hf_dir, pairs, version, worker) if pairs else []
+            results = self._run_export_evaluation(stage, hf_dir, pairs, version, next_rl) if pairs else []
         except RayError as exc:  # a report, not the run: the stage is recorded without it
             log.error("stage %r: the evaluation of its export failed (%s); no held-out accuracy or self-rollouts "
                       "for this stage", stage.name, reason_of(exc))
             return {}
         finally:
-            if worker is not None:
-                ray.kill(worker)
-                self.rollout_pool.actors = []
+            if next_rl is None:
+                self._stop_carried(*self._carried)
         for r, result in zip(stage.self_rollouts, results[len(keys):]):
             log.info("stage %r: self-rollouts of %s written to %s (%d problems x %d, mean reward %.3f)", stage.name,
                      r.entry, rollouts[r.entry], r.prompts, r.samples, result.accuracy)
@@ -415,28 +431,45 @@ class Cascade:
                      e.temperature)
         return evaluation
 
-    def _run_export_evaluation(self, stage, hf_dir: Path, pairs: list, version: int, worker) -> list:
-        """The results of `pairs` ((entry key, EvalRequest)) on the export at `hf_dir`. The kept rollout
-        worker serves them unless a request scores with a reward model (a rollout worker hosts no scorer)
-        or generates longer than the worker's engine was sized for; a worker that fails hands them on."""
+    def _run_export_evaluation(self, stage, hf_dir: Path, pairs: list, version: int, next_rl: RLStage | None) -> list:
+        """The results of `pairs` ((entry key, EvalRequest)) on the export at `hf_dir`, on the engine of
+        rollout worker 0: the one the RL stage kept or, when an RL stage follows, that stage's worker 0,
+        started now (one engine start where there would be two). Requests a rollout worker cannot serve
+        get an engine of their own: those scored by a reward model (a rollout worker hosts no scorer), a
+        problem longer than the rollout engines take, or a worker that fails."""
         from zrl.evaluate import evaluate_requests
 
         requests = [r for _, r in pairs]
-        if worker is not None and all(r.max_response_tokens <= stage.sampling.max_response_tokens
-                                      and not registry.get(r.environment.name).uses_reward_model for r in requests):
+        on_worker = not any(registry.get(r.environment.name).uses_reward_model for r in requests)
+        if on_worker and next_rl is not None and 0 not in self._carried:
+            first_step = stage_bounds(self.recipe)[self.recipe.stages.index(next_rl)][0]
+            self._carried[0] = start_rollout_worker(self._stage_context(next_rl, first_step, ranks=[]), next_rl, 0,
+                                                    version)
+            self.rollout_pool.actors = list(self._carried.values())
+        worker = self._carried.get(0) if on_worker else None
+        if worker is not None:
             try:
                 report = ray.get(worker.evaluate_export.remote(str(hf_dir), pairs, self.recipe.seed, version))
-                log.info("stage %r: its export evaluated on the engine of rollout worker 0 in %.1f s", stage.name,
-                         report.seconds)
-                return [result for _, result in report.results]
+                if report is not None:
+                    log.info("stage %r: its export evaluated on the engine of rollout worker 0 in %.1f s", stage.name,
+                             report.seconds)
+                    return [result for _, result in report.results]
+                log.info("stage %r: a held-out problem is longer than the rollout engines take; its export is "
+                         "evaluated on an engine of its own", stage.name)
             except RayError as exc:
-                log.warning("stage %r: the evaluation of its export on the stage's rollout worker failed (%s); "
-                            "evaluating on an engine of its own", stage.name, reason_of(exc))
-        if worker is not None:
-            ray.kill(worker)  # its bundle is the evaluation's
+                log.warning("stage %r: the evaluation of its export on rollout worker 0 failed (%s); evaluating on "
+                            "an engine of its own", stage.name, reason_of(exc))
+        self._stop_carried(0)  # its bundle is the evaluation's
         task = ray.remote(evaluate_requests).options(**self.rollout_pool.options(0), max_retries=0)
         return ray.get(task.remote(str(hf_dir), requests, self.recipe.seed, self.recipe.model.dtype,
                                    self.recipe.reward_model))
+
+    def _stop_carried(self, *indices: int) -> None:
+        """Kill the kept rollout workers `indices` (those not kept are skipped)."""
+        for i in indices:
+            if i in self._carried:
+                ray.kill(self._carried.pop(i))
+        self.rollout_pool.actors = list(self._carried.values())
 
     def _log(self, stage):
         """The stage's metric sink: every `metrics.log_every_steps` steps and at the stage's last step; it

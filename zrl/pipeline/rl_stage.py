@@ -81,17 +81,30 @@ class StageContext:
     cpus_per_verifier_worker: float = 0.0
     evaluation_seed: int = 0    # the recipe's seed: the held-out problems of the stage-end evaluation
     prefix_caching: bool = False  # the rollout engines' (resources.rollout_prefix_caching)
+    engine_max_model_len: int | None = None  # the rollout engines' (None: the stage's prompt + response limit)
+    max_worker_restarts: int | None = None   # Ray's restarts of a rollout worker in its life (None: the stage's)
+
+
+def start_rollout_worker(ctx: StageContext, stage: RLStage, index: int, policy_version: int):
+    """Rollout worker `index` of `stage` in its bundle of the rollout pool (its engine starts)."""
+    return ctx.rollout_pool.actor(RolloutWorker, index, index, ctx.model_path, stage, ctx.seed, ctx.engine_dtype,
+                                  policy_version=policy_version, kernels=ctx.kernels, publish=ray.put,
+                                  prefix_caching=ctx.prefix_caching, max_model_len=ctx.engine_max_model_len,
+                                  max_restarts=(stage.asynchrony.max_worker_restarts if ctx.max_worker_restarts is None
+                                                else ctx.max_worker_restarts))
 
 
 class RLStageRunner:
     def __init__(self, stage: RLStage, ctx: StageContext, first_step: int, resume_step: int | None = None,
                  data_state: dict | None = None, frontier: dict | None = None, curriculum: dict | None = None,
-                 rollbacks: int = 0):
+                 rollbacks: int = 0, carried: dict | None = None):
         """Trains the stage's steps from trainer step `first_step` (or, with a checkpoint's
         `data_state`, from `resume_step`, the ranks already holding its weights). `frontier`: the
         running max solve rates a previous stage ended with (recipe `inherit.length_reward_state`);
         `curriculum`: the previous stage's difficulty-scheduler state (recipe `inherit.curriculum`);
-        `rollbacks`: the rollbacks the run made in this stage already (zrl/pipeline/health.py)."""
+        `rollbacks`: the rollbacks the run made in this stage already (zrl/pipeline/health.py);
+        `carried`: {worker index: RolloutWorker actor} kept from the previous stage, its engine up (the
+        others are started)."""
         self.stage, self.ctx = stage, ctx
         a = stage.asynchrony
         step = first_step if resume_step is None else resume_step
@@ -100,9 +113,8 @@ class RLStageRunner:
                                       prompts_per_batch=stage.sampling.prompts_per_batch,
                                       sync_every_steps=a.sync_every_steps, synchronous=a.max_staleness_steps == 0)
         self.counters = StageCounters()
-        self.workers = [ctx.rollout_pool.actor(RolloutWorker, i, i, ctx.model_path, stage, ctx.seed, ctx.engine_dtype,
-                                               policy_version=step, kernels=ctx.kernels, publish=ray.put,
-                                               prefix_caching=ctx.prefix_caching, max_restarts=a.max_worker_restarts)
+        self.carried = self._take_over(dict(carried or {}))
+        self.workers = [self.carried[i] if i in self.carried else start_rollout_worker(ctx, stage, i, step)
                         for i in range(n)]
         ctx.rollout_pool.actors = self.workers
         self.worker_states: list[dict] = [{} for _ in range(n)]  # from each worker's latest round
@@ -120,7 +132,7 @@ class RLStageRunner:
         # what the stage took from the previous one (recorded in its stage record)
         self.inherited = {"length_reward_frontier": sorted(frontier or {}), "curriculum": taken}
         self.final_curriculum: dict | None = curriculum  # set when the stage closes, when it has adaptive entries
-        self.export_evaluator = None  # set when the stage ends: the rollout worker kept for its export's evaluation
+        self.kept_workers: dict = {}  # set when the stage ends: {index: worker} of those that never died, engines up
         self.verifiers = VerifierPool(stage.environments, a.verifier_timeout_s, ctx.verifier_workers,
                                       ctx.cpus_per_verifier_worker)
         self.watchdog = ProgressWatchdog(a.progress_timeout_s, a.max_discarded_batches * stage.sampling.prompts_per_batch)
@@ -141,6 +153,19 @@ class RLStageRunner:
             passed_on = stage_state.restore(stage.name, data_state, self.buffer, self.workers, self.worker_states,
                                             self.curriculum, step)
             self.final_curriculum = passed_on if passed_on is not None else self.final_curriculum
+
+    def _take_over(self, carried: dict) -> dict:
+        """The carried workers that began this stage; one that fails to (it died between the stages) is
+        killed, and its place gets a fresh worker."""
+        refs = {i: w.begin_stage.remote(self.stage, self.ctx.seed) for i, w in carried.items()}
+        for i, ref in refs.items():
+            try:
+                ray.get(ref)
+            except RayActorError as exc:
+                log.warning("stage %r: rollout worker %d of the previous stage could not take this stage over (%s); "
+                            "starting a fresh one", self.stage.name, i, reason_of(exc))
+                ray.kill(carried.pop(i))
+        return carried
 
     def data_state(self) -> dict:
         """What a checkpoint saves beside the weights (zrl/pipeline/stage_state.py)."""
@@ -167,7 +192,7 @@ class RLStageRunner:
                 self._check_progress()
             self._finish_evaluations()
             log_ledger(self.stage.name, ray.get(self.buffer.counts.remote()), s.lost_groups)
-            self.export_evaluator = self.workers[0]
+            self.kept_workers = {i: w for i, w in enumerate(self.workers) if not self.restarts.deaths[i]}
         except TrainerFailed:
             trainer_ok = False
             raise
@@ -314,6 +339,8 @@ class RLStageRunner:
         self.schedule.take(WorkerLost(w))
         self.restarts.handled(w, lost)
         self.restarts.await_restart(w, self.workers[w])
+        if w in self.carried:  # Ray restarted it with the arguments of the stage that started it
+            ray.get(self.workers[w].begin_stage.remote(self.stage, self.ctx.seed))
         if self.worker_states[w]:  # the restarted worker continues its prompt stream, not from draw 0
             ray.get(self.workers[w].load_state_dict.remote(self.worker_states[w]))
         self.sync.worker_restarted()
@@ -359,9 +386,10 @@ class RLStageRunner:
         if self.curriculum is not None:
             self.final_curriculum = self.curriculum.state_dict()
         # In-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) leave no shared-memory segments behind:
-        # killing the actor process releases everything it held. A stage that ended keeps worker 0 (and
-        # its engine) for the evaluation of its export; the pool's release kills it at the latest.
-        kept = [self.export_evaluator] if self.export_evaluator is not None else []
+        # killing the actor process releases everything it held. A stage that ended keeps the workers that
+        # never died (and their engines): worker 0 evaluates its export, and the next RL stage takes them
+        # over (zrl/pipeline/controller.py); the pool's release kills them at the latest.
+        kept = list(self.kept_workers.values())
         for actor in [w for w in self.workers if w not in kept] + self.verifiers.actors + [self.buffer]:
             ray.kill(actor)
         self.ctx.rollout_pool.actors = kept

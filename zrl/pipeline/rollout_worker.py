@@ -25,6 +25,11 @@ round. It returns when every evaluation sample is done (one policy version: a sy
 At the stage's end (`evaluate_export`) the worker stops its stream, loads the stage's export from disk in
 place and evaluates that: the export is what is measured, on the engine that is already up.
 
+Stages: a worker serves one RL stage at a time. `begin_stage` moves it to the next one (the cascade
+carries workers between consecutive RL stages, zrl/pipeline/controller.py): the old stream ends
+(`end_stream`), the new stage's prompt source, sampling settings and seeds replace it, the engine and
+its weights stay (the stage's first sync replaces them).
+
 Weight sync: `join_sync` makes the worker a receiver of the trainer's sync group; `receive_weights`
 takes one streamed sync and loads it in place as it arrives (zrl.pipeline.weight_sync).
 `update_weights` is the fallback that loads a whole state dict (or a reference to one).
@@ -157,43 +162,72 @@ class _Open:
 class RolloutWorker:
     def __init__(self, worker_index: int, model_path: str | Path, stage: RLStage, seed: int, dtype: str,
                  policy_version: int = 0, kernels: str = "auto", publish: Callable[[GeneratedGroup], Any] | None = None,
-                 round_seconds: float = 0.5, max_num_seqs: int = 256, prefix_caching: bool = False):
+                 round_seconds: float = 0.5, max_num_seqs: int = 256, prefix_caching: bool = False,
+                 max_model_len: int | None = None):
         """`seed`: the stage's seed (the recipe's, offset by the stage); `publish`: how a finished group
-        is handed on (None: the report carries the group itself, for in-process use)."""
-        from serving.engine import RolloutEngine, SamplingConfig
+        is handed on (None: the report carries the group itself, for in-process use); `max_model_len`: the
+        engine's longest sequence (default: the stage's prompt + response limit; the cascade sizes it for
+        its longest RL stage, so the worker can be carried into each of them, `begin_stage`)."""
+        from serving.engine import RolloutEngine
         from zrl.modeling import kernels as kernel_backend
 
         kernel_backend.set_backend(kernels)
         s = stage.sampling
         self.worker_index = worker_index
+        self.round_seconds = round_seconds
+        self.publish = publish if publish is not None else (lambda group: group)
+        self.engine = RolloutEngine(model_path, dtype=dtype,
+                                    max_model_len=max_model_len or s.max_prompt_tokens + s.max_response_tokens,
+                                    max_num_seqs=max_num_seqs, seed=worker_seeds(seed, s.seed, worker_index)[0],
+                                    policy_version=policy_version, prefix_caching=prefix_caching)
+        family = family_of_checkpoint(model_path)
+        self.vocab_size = family.shape(family.read_config(model_path)).vocab_size
+        self._eval_envs: dict[tuple[str, str], Any] = {}  # (entry key, its spec) -> the held-out environment
+        self._eval_errors = EnvErrorLog()  # their errors: each distinct one shown once in the worker's life
+        self._sync_group: SyncGroup | None = None
+        self._drawer: ThreadPoolExecutor | None = None
+        self._episodes: EpisodeRunner | None = None
+        self.begin_stage(stage, seed)
+
+    def begin_stage(self, stage: RLStage, seed: int) -> None:
+        """Serve `stage` from here on, with the stage's `seed` (as the constructor does): the previous
+        stage's stream ends (`end_stream`), the engine and its weights stay. Every sample is seeded per
+        request from the prompt stream's generator, so a carried engine samples what a fresh one would."""
+        from serving.engine import SamplingConfig
+
+        s = stage.sampling
+        if s.max_prompt_tokens + s.max_response_tokens > self.engine.max_model_len:
+            raise ValueError(f"stage {stage.name!r} needs sequences of {s.max_prompt_tokens + s.max_response_tokens} "
+                             f"tokens; this rollout worker's engine takes {self.engine.max_model_len}")
+        self.end_stream()
         self.stage = stage
         self.group_size = s.group_size
         self.max_prompt_tokens = s.max_prompt_tokens
-        self.round_seconds = round_seconds
-        self.publish = publish if publish is not None else (lambda group: group)
         self.sampling = SamplingConfig(max_tokens=s.max_response_tokens, temperature=s.temperature, top_p=s.top_p,
                                        top_k=max(s.top_k, 0), min_p=s.min_p, stop=tuple(s.stop))
-        engine_seed, stream_seed = worker_seeds(seed, s.seed, worker_index)
-        self.engine = RolloutEngine(model_path, dtype=dtype, max_model_len=s.max_prompt_tokens + s.max_response_tokens,
-                                    max_num_seqs=max_num_seqs, seed=engine_seed, policy_version=policy_version,
-                                    prefix_caching=prefix_caching)
+        stream_seed = worker_seeds(seed, s.seed, self.worker_index)[1]
         self.source = PromptSource(stage.environments, seed=stream_seed)
-        family = family_of_checkpoint(model_path)
-        self.vocab_size = family.shape(family.read_config(model_path)).vocab_size
         self.rare_bands = tuple(stage.algorithm.canaries.rare_token_bands)
         self._rng = np.random.default_rng(stream_seed)
+        self._envs = {e.key: e.env for e in self.source.entries}
+        self._drawer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-draw")
+
+    def end_stream(self) -> None:
+        """Stop the stage's prompt stream for good: draws are cancelled, unfinished groups and episodes
+        dropped, the engine emptied. Evaluations (`evaluate`) and weight loads still work."""
+        if self._drawer is not None:
+            self._drawer.shutdown(wait=False, cancel_futures=True)
+            self._drawer = None
+        if self._episodes is not None:
+            self._episodes.close()
+            self._episodes = None  # the next multi-turn group starts a runner (`_start_samples`)
+        self.engine.abort_all()
         self._open: dict[str | tuple, _Open] = {}      # group id -> its samples so far
         self._evaluated: dict[tuple, list] = {}         # an evaluation's finished prompts -> their samples
-        self._envs = {e.key: e.env for e in self.source.entries}
         self._engine_groups: dict[int, str] = {}        # engine group id of a single-turn group -> stream group id
-        self._episodes = (self._episode_runner()
-                          if any(isinstance(e.env, EpisodicEnvironment) for e in self.source.entries) else None)
         self._finished: list[tuple[GeneratedGroup, tuple[str, int] | None]] = []  # closed, not yet reported
         self._reported_in_flight_tokens = 0  # tokens of unfinished samples the last report counted
-        self._eval_envs: dict | None = None  # the entries' environments for held-out evaluation
         self._drawing: deque[_Draw] = deque()
-        self._drawer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-draw")
-        self._sync_group: SyncGroup | None = None
 
     @property
     def policy_version(self) -> int:
@@ -238,59 +272,69 @@ class RolloutWorker:
                            canary_sums=self._token_canaries([g for g, _ in finished]), state=self.state_dict(),
                            environment_counts={e.key: e.env.metrics() for e in self.source.entries})
 
-    def evaluate_export(self, checkpoint: str, requests: list, seed: int, version: int) -> HeldOutReport:
-        """The stage's end: the prompt stream stops for good (unfinished groups are dropped), the engine
-        loads the stage's export from `checkpoint` in place (as policy `version`), and `requests` are
-        evaluated on it as `evaluate` does. The same results as a fresh engine on the export, without
-        starting one."""
-        self._drawer.shutdown(wait=False, cancel_futures=True)
-        self._drawing.clear()
-        if self._episodes is not None:
-            self._episodes.close()
-            self._episodes = self._episode_runner()
-        self.engine.abort_all()
-        self._open.clear()
-        self._engine_groups.clear()
-        self._finished.clear()
+    def evaluate_export(self, checkpoint: str, requests: list, seed: int, version: int) -> HeldOutReport | None:
+        """A stage's end: the prompt stream stops for good (`end_stream`), the engine loads the stage's
+        export from `checkpoint` in place (as policy `version`), and `requests` are evaluated on it as
+        `evaluate` does: the same results as a fresh engine on the export, without starting one. None
+        (nothing loaded) when a problem's prompt and response would not fit the engine, which a fresh
+        engine sized for the requests would take."""
+        self.end_stream()
+        problems = self._held_out_problems(requests, seed)
+        if any(len(ids) + r.max_response_tokens > self.engine.max_model_len
+               for (_, r), (kept, _) in zip(requests, problems) for _, ids in kept):
+            return None
         self.engine.update_weights(checkpoint, version=version)
-        return self.evaluate(requests, seed, checkpoint=checkpoint)
+        return self.evaluate(requests, seed, checkpoint=checkpoint, problems=problems)
 
-    def evaluate(self, requests: list, seed: int, checkpoint: str | None = None) -> HeldOutReport:
+    def evaluate(self, requests: list, seed: int, checkpoint: str | None = None,
+                 problems: list | None = None) -> HeldOutReport:
         """Held-out evaluation with the engine's current weights (the module docstring): `requests` are
         (entry key, zrl.evaluate.EvalRequest) pairs, `seed` the recipe's, as at the stage's end;
-        `checkpoint` names what the results evaluated (default: the policy version)."""
+        `checkpoint` names what the results evaluated (default: the policy version); `problems`: what
+        `_held_out_problems` drew for them already."""
         from serving.engine import SamplingConfig
         from zrl.evaluate import score
 
         start, version = time.perf_counter(), self.engine.version
-        if self._eval_envs is None:  # instances of its own: the draw thread samples the training ones
-            envs = [e.env for e in build_entries(self.stage.environments)]
-            self._eval_envs = dict(zip(self.stage.entry_keys(), envs))  # the requests' keys (the recipe's)
-            self._eval_errors = EnvErrorLog()  # their errors: each distinct one shown once in the worker's life
-        jobs = []                                # per request: (prompts kept, prompts skipped)
-        for i, (key, r) in enumerate(requests):
-            env = self._eval_envs[key]
-            prompts = env.sample(r.num_prompts, seed=seed, split=r.split)
-            encoded = [self._encode(p) for p in prompts]
-            kept = [(p, ids) for p, ids in zip(prompts, encoded)
-                    if r.max_prompt_tokens is None or len(ids) <= r.max_prompt_tokens]
+        problems = self._held_out_problems(requests, seed) if problems is None else problems
+        for i, ((key, r), (kept, _)) in enumerate(zip(requests, problems)):
             sampling = SamplingConfig(max_tokens=r.max_response_tokens, temperature=r.temperature, seed=seed)
             n = r.samples_per_prompt
             for j, (prompt, ids) in enumerate(kept):  # the seeds RolloutEngine.generate gives the stage-end evaluation
                 self._open[("eval", i, j)] = _Open(("eval", i, j), prompt, n)
-                self._start_samples(("eval", i, j), env, ids, n, sampling, seed + j * n,
-                                    r.max_response_tokens)
-            jobs.append(([p for p, _ in kept], len(prompts) - len(kept)))
-        groups = sum(len(prompts) for prompts, _ in jobs)
+                self._start_samples(("eval", i, j), self._eval_env(key, r.environment), ids, n, sampling,
+                                    seed + j * n, r.max_response_tokens)
+        groups = sum(len(kept) for kept, _ in problems)
         while len(self._evaluated) < groups:  # a round's samples finishing meanwhile are reported next round
             for sample in self.engine.step() if self.engine.has_unfinished() else ():
                 self._take(sample)
             self._take_episodes(timeout=0.0 if self.engine.has_unfinished() else None)
-        outputs = [[self._evaluated.pop(("eval", i, j)) for j in range(len(prompts))] for i, (prompts, _) in enumerate(jobs)]
         name = checkpoint or f"policy version {version}"
-        results = tuple((key, score(name, self._eval_envs[key], r, prompts, out, skipped, self._eval_errors))
-                        for (key, r), (prompts, skipped), out in zip(requests, jobs, outputs))
-        return HeldOutReport(version, results, time.perf_counter() - start)
+        results = []
+        for i, ((key, r), (kept, skipped)) in enumerate(zip(requests, problems)):
+            outputs = [self._evaluated.pop(("eval", i, j)) for j in range(len(kept))]
+            results.append((key, score(name, self._eval_env(key, r.environment), r, [p for p, _ in kept], outputs,
+                                       skipped, self._eval_errors)))
+        return HeldOutReport(version, tuple(results), time.perf_counter() - start)
+
+    def _held_out_problems(self, requests: list, seed: int) -> list[tuple[list, int]]:
+        """Per request: its problems kept as (prompt, token ids), and how many were skipped as longer than
+        its `max_prompt_tokens`."""
+        problems = []
+        for key, r in requests:
+            prompts = self._eval_env(key, r.environment).sample(r.num_prompts, seed=seed, split=r.split)
+            encoded = [(p, self._encode(p)) for p in prompts]
+            kept = [(p, ids) for p, ids in encoded if r.max_prompt_tokens is None or len(ids) <= r.max_prompt_tokens]
+            problems.append((kept, len(prompts) - len(kept)))
+        return problems
+
+    def _eval_env(self, key: str, spec):
+        """The held-out instance of entry `key`'s environment (its own: the draw thread samples the training
+        ones), built once per spec: a later stage may give the same key other options."""
+        cache_key = (key, spec.model_dump_json())
+        if cache_key not in self._eval_envs:
+            self._eval_envs[cache_key] = build_entries([spec])[0].env
+        return self._eval_envs[cache_key]
 
     def _token_canaries(self, groups: list[GeneratedGroup]) -> dict[str, float]:
         """Rare-token and gibberish monitors (no gate), summed over rollouts; the loop averages."""
@@ -354,7 +398,8 @@ class RolloutWorker:
             self._rng.bit_generator.state = state["seed_rng"]
 
     def close(self) -> None:
-        self._drawer.shutdown(wait=False, cancel_futures=True)
+        if self._drawer is not None:
+            self._drawer.shutdown(wait=False, cancel_futures=True)
         if self._episodes is not None:
             self._episodes.close()
         self.leave_sync()
@@ -394,12 +439,11 @@ class RolloutWorker:
             self._engine_groups[self.engine.submit(ids, n, sampling, seed=seed)] = group_id
             return
         prompt = self._open[group_id].prompt
+        if self._episodes is None:
+            self._episodes = EpisodeRunner(self.engine, ChatContinuation(self.engine.tokenizer).reply_ids)
         for i in range(n):
             self._episodes.start(env.episode(prompt), ids, sampling, max_turns=env.max_turns,
                                  max_response_tokens=max_response_tokens, seed=seed + i, key=(group_id, i))
-
-    def _episode_runner(self) -> EpisodeRunner:
-        return EpisodeRunner(self.engine, ChatContinuation(self.engine.tokenizer).reply_ids)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         tokenizer = self.engine.tokenizer

@@ -25,11 +25,13 @@ STEPS_PER_SAMPLE = 3
 class SteppingEngine:
     """Submitted samples finish after STEPS_PER_SAMPLE engine steps; records which groups each step ran."""
 
-    def __init__(self, model_path, **_):
+    def __init__(self, model_path, max_model_len=4096, **_):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.max_model_len = max_model_len
         self.version = 0
+        self.seeds: list[int] = []  # of every submitted group
         self.pending: dict[tuple[int, int], list] = {}  # (group, sample) -> [steps left, prompt ids]
         self.groups = 0
         self.steps_per_sample = STEPS_PER_SAMPLE
@@ -37,6 +39,7 @@ class SteppingEngine:
 
     def submit(self, ids, num_samples, sampling, seed=None) -> int:
         group, self.groups = self.groups, self.groups + 1
+        self.seeds.append(seed)
         for i in range(num_samples):
             self.pending[(group, i)] = [self.steps_per_sample, np.asarray(ids, dtype=np.int64)]
         return group
@@ -59,6 +62,9 @@ class SteppingEngine:
                     prompt, tokens, np.zeros(3, np.float32), np.zeros((len(prompt) + 3, 1), np.uint8), "stop",
                     (VersionSegment(0, self.version),), "x")))
         return finished
+
+    def abort_all(self) -> None:
+        self.pending.clear()
 
     def close(self) -> None:
         pass
@@ -92,14 +98,22 @@ def gate(monkeypatch):
     return gate
 
 
+def two_stages(model_path):
+    """Two RL stages of other environments and lengths."""
+    return parse_recipe({
+        "name": "draws", "model": {"path": str(model_path)}, "output_dir": "/nonexistent/draws",
+        "stages": [{"name": "rl", "kind": "rl", "steps": 1, "environments": [{"name": "strings"}],
+                    "sampling": {"group_size": GROUP_SIZE, "prompts_per_batch": 2}},
+                   {"name": "rl2", "kind": "rl", "steps": 1,
+                    "environments": [{"name": "strings", "options": {"tasks": "reverse"}}],
+                    "sampling": {"group_size": GROUP_SIZE + 1, "prompts_per_batch": 2, "max_prompt_tokens": 64,
+                                 "max_response_tokens": 16, "seed": 5}}]}).stages
+
+
 @pytest.fixture
 def worker(model_path, monkeypatch):
     monkeypatch.setattr(serving.engine, "RolloutEngine", SteppingEngine)
-    recipe = parse_recipe({
-        "name": "draws", "model": {"path": str(model_path)}, "output_dir": "/nonexistent/draws",
-        "stages": [{"name": "rl", "kind": "rl", "steps": 1, "environments": [{"name": "strings"}],
-                    "sampling": {"group_size": GROUP_SIZE, "prompts_per_batch": 2}}]})
-    worker = RolloutWorker(0, model_path, recipe.stages[0], seed=3, dtype="float32", round_seconds=0.3)
+    worker = RolloutWorker(0, model_path, two_stages(model_path)[0], seed=3, dtype="float32", round_seconds=0.3)
     yield worker
     worker.close()
 
@@ -161,3 +175,32 @@ def test_prompts_too_long_to_pose_are_skipped_and_their_adaptive_levels_reported
         worker.close()
     assert report.skipped_long_prompts == 3 and not report.tickets and report.in_flight_groups == 0
     assert report.skipped_levels == (("strings", 4),) * 3
+
+
+def test_a_worker_carried_into_the_next_stage_draws_and_seeds_as_a_fresh_worker_of_it(worker, model_path):
+    """begin_stage drops what the old stage had in flight and then draws the new stage's stream: the same
+    prompts, group ids and per-request sample seeds as a worker started for that stage (the engine's
+    own seed then plays no part in sampling)."""
+    _, second = two_stages(model_path)
+    worker.engine.steps_per_sample = 10**9
+    assert worker.round(2).in_flight_groups == 2  # the first stage's groups, still decoding
+    worker.begin_stage(second, seed=11)
+    worker.engine.steps_per_sample = STEPS_PER_SAMPLE
+    assert not worker.engine.pending, "the old stage's samples were not dropped"
+    fresh = RolloutWorker(0, model_path, second, seed=11, dtype="float32", round_seconds=0.3)
+    try:
+        carried_seeds = len(worker.engine.seeds)
+        rounds = [[(t.group_id, t.num_rollouts) for _ in range(2) for t in w.round(1).tickets] for w in (worker, fresh)]
+        assert rounds[0] == rounds[1] and len(rounds[0]) == 2
+        assert all(n == GROUP_SIZE + 1 for _, n in rounds[0])
+        assert worker.engine.seeds[carried_seeds:] == fresh.engine.seeds
+        assert worker.state_dict() == fresh.state_dict()
+    finally:
+        fresh.close()
+
+
+def test_a_stage_longer_than_the_engine_takes_is_refused(worker, model_path):
+    _, second = two_stages(model_path)
+    worker.engine.max_model_len = 64
+    with pytest.raises(ValueError, match="stage 'rl2' needs sequences of 80 tokens; this rollout worker's engine takes 64"):
+        worker.begin_stage(second, seed=11)

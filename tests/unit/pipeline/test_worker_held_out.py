@@ -14,6 +14,7 @@ from zrl.config import parse_recipe
 from zrl.env import Environment
 from zrl.env.episode import Episode, EpisodicEnvironment, Turn
 from zrl.env.episodes import EpisodeRunner
+from zrl.env.errors import EnvErrorLog
 from zrl.pipeline.held_out import held_out_requests
 from zrl.pipeline.rollout_worker import RolloutWorker, _Open
 from zrl.types import Message, Prompt
@@ -46,6 +47,7 @@ class Engine:
 
     version = 6
     tokenizer = Tokenizer()
+    max_model_len = 64
 
     def __init__(self):
         self.queue, self.groups = [], itertools.count(100)
@@ -79,7 +81,8 @@ def stage_of(env_class):
 def stand_in_worker(stage, engine, episodes=False):
     worker = RolloutWorker.__new__(RolloutWorker)  # no vLLM: a stand-in engine
     worker.stage, worker.group_size, worker.engine = stage, 2, engine
-    worker._open, worker._finished, worker._eval_envs, worker._engine_groups, worker._evaluated = {}, [], None, {}, {}
+    worker._open, worker._finished, worker._eval_envs, worker._engine_groups, worker._evaluated = {}, [], {}, {}, {}
+    worker._eval_errors, worker._drawer, worker._drawing = EnvErrorLog(), None, deque()
     worker._episodes = EpisodeRunner(engine, lambda messages, last: [9]) if episodes else None
     return worker
 
@@ -116,7 +119,7 @@ class LoadingEngine(Engine):
 def test_the_export_is_evaluated_after_the_stream_stops_and_the_export_is_loaded():
     stage = stage_of("Parity")
     worker = stand_in_worker(stage, LoadingEngine())
-    worker._drawer, worker._drawing = ThreadPoolExecutor(1), deque()
+    worker._drawer = ThreadPoolExecutor(1)
     prompt = Parity().sample(1, 0)[0]
     worker._open["w0-d0.0-train:0"] = _Open("w0-d0.0-train:0", prompt, 2)  # a round's group still in flight
     worker._engine_groups[7] = "w0-d0.0-train:0"
@@ -128,6 +131,18 @@ def test_the_export_is_evaluated_after_the_stream_stops_and_the_export_is_loaded
     [(_, result)] = report.results
     assert result.checkpoint == "/run/stages/rl/hf" and (result.num_prompts, result.accuracy) == (4, 0.5)
     assert worker._finished == [] and worker._open == {} and worker._engine_groups == {}  # the group was dropped
+
+
+def test_an_export_whose_problems_the_engine_cannot_take_is_left_to_an_engine_of_its_own():
+    """A prompt (1 token) plus the request's 8 response tokens is more than the engine's 8: nothing is
+    loaded or generated, and the caller evaluates elsewhere (zrl/pipeline/controller.py)."""
+    stage = stage_of("Parity")
+    worker = stand_in_worker(stage, LoadingEngine())
+    worker.engine.max_model_len = 8
+    assert worker.evaluate_export("/run/stages/rl/hf", held_out_requests(stage), seed=0, version=9) is None
+    assert not hasattr(worker.engine, "loaded") and worker.engine.queue == [] and worker._open == {}
+    worker.engine.max_model_len = 9
+    assert worker.evaluate_export("/run/stages/rl/hf", held_out_requests(stage), seed=0, version=9) is not None
 
 
 class Guess(EpisodicEnvironment):
@@ -170,8 +185,6 @@ class TurnEngine(Engine):
     def step(self):
         done, self.queue = self.queue[:2], self.queue[2:]
         return [SimpleNamespace(group_id=g, sample_index=i, output=turn_output(text, length)) for g, i, text, length in done]
-
-    max_model_len = 64
 
 
 def turn_output(text, prompt_length):
