@@ -7,6 +7,8 @@ Caches (TorchInductor, vLLM, Triton) live in `<repo>/.cache` so a warm run reuse
 """
 
 import fcntl
+import json
+import math
 import os
 import tempfile
 import time
@@ -46,6 +48,7 @@ SHARED_SESSION_DIRS = ("tests/integration/serving/",)
 # `ray stop`, which stops every Ray instance of the user, so they run while no other test holds Ray.
 RAY_DIRS = ("tests/integration/", "tests/faults/", "tests/e2e/")
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+DURATIONS_FILE = ROOT / "tests" / "ray_file_durations.json"  # scope -> seconds, from `--store-durations`
 RAY_WAIT = "ray_turn_wait_s"  # user property of a set-up report: seconds its module waited for its Ray turn
 
 if XDIST_WORKER:
@@ -62,10 +65,21 @@ def pytest_xdist_make_scheduler(config, log):
 
     class FileScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return next((d for d in SHARED_SESSION_DIRS if path.startswith(d)), path)
+            return scope_of(nodeid)
 
     return FileScheduling(config, log)
+
+
+def scope_of(nodeid: str) -> str:
+    """The scheduling unit of a test: its file, or the shared-session folder it is in."""
+    path = nodeid.split("::", 1)[0]
+    return next((d for d in SHARED_SESSION_DIRS if path.startswith(d)), path)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-durations", action="store_true",
+                     help=f"write each Ray-starting file's measured seconds to {DURATIONS_FILE.relative_to(ROOT)} "
+                          "(the order the parallel workers take them in)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -74,8 +88,16 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
-    # The longest test that holds Ray alone starts first, while the other worker runs unit tests.
-    items.sort(key=lambda item: "ray_exclusive" not in item.keywords)  # stable: the rest keep their order
+    # The longest test that holds Ray alone starts first, while the other worker runs unit tests; then the
+    # files that start Ray, longest first by their recorded seconds (a file not recorded yet counts as
+    # longest), so the last files either worker takes are short and both finish together.
+    recorded = json.loads(DURATIONS_FILE.read_text()) if DURATIONS_FILE.is_file() else {}
+
+    def order(item):
+        scope = scope_of(item.nodeid)
+        starts_ray = scope.startswith(RAY_DIRS)
+        return "ray_exclusive" not in item.keywords, starts_ray, -recorded.get(scope, math.inf) if starts_ray else 0
+    items.sort(key=order)  # stable: the unit tests keep their order
 
 
 _unreported_wait_s: dict[Path, float] = {}  # module -> its Ray-turn wait, until its first set-up report carries it
@@ -172,3 +194,10 @@ def pytest_terminal_summary(terminalreporter):
     write("20 slowest tests (setup + call + teardown):")
     for nodeid, seconds in sorted(_durations.items(), key=lambda kv: -kv[1])[:20]:
         write(f"  {seconds:7.1f} s  {nodeid}")
+    if terminalreporter.config.getoption("--store-durations"):
+        scopes: dict[str, float] = {}
+        for nodeid, seconds in _durations.items():
+            if nodeid.startswith(RAY_DIRS):
+                scopes[scope_of(nodeid)] = scopes.get(scope_of(nodeid), 0.0) + seconds
+        DURATIONS_FILE.write_text(json.dumps({k: round(v) for k, v in sorted(scopes.items())}, indent=1) + "\n")
+        write(f"durations of {len(scopes)} Ray-starting files written to {DURATIONS_FILE}")
