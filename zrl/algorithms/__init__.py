@@ -22,6 +22,7 @@ from zrl.algorithms.aggregation import (
     seq_mean_token_mean,
     seq_mean_token_sum_norm,
     token_mean,
+    token_weights,
 )
 from zrl.algorithms.length_reward import (
     SolveRateFrontier,
@@ -43,7 +44,9 @@ from zrl.algorithms.trust_region import (
     dppo_binary_kl_loss,
     dppo_binary_tv_loss,
     policy_loss,
+    policy_loss_grad,
     ppo_clip_loss,
+    token_separable,
     truncated_is_weight,
 )
 
@@ -54,6 +57,6 @@ __all__ = [
     "aggregate_loss", "binary_kl", "binary_kl_keep_mask", "binary_tv_keep_mask", "compute_advantages",
     "dppo_binary_kl_loss", "dppo_binary_tv_loss", "drgrpo_advantages", "filter_zero_variance_groups",
     "grpo_advantages", "length_coef", "length_gate", "length_lambdas", "length_rewards", "local_counts",
-    "maxrl_advantages", "policy_loss", "ppo_clip_loss", "score_group", "seq_mean_token_mean", "seq_mean_token_sum_norm",
-    "token_mean", "tolerant_lambdas", "truncated_is_weight",
+    "maxrl_advantages", "policy_loss", "policy_loss_grad", "ppo_clip_loss", "score_group", "seq_mean_token_mean", "seq_mean_token_sum_norm",
+    "token_mean", "token_separable", "token_weights", "tolerant_lambdas", "truncated_is_weight",
 ]

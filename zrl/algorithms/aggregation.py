@@ -112,6 +112,36 @@ def seq_mean_token_mean(token_loss: torch.Tensor, loss_mask: torch.Tensor, seq_i
     return _masked_sum(loss / denom, mask) / float(global_num_seqs)
 
 
+def token_weights(name: AggregationName | str, loss_mask: torch.Tensor, seq_idx: torch.Tensor | None = None, *,
+                  global_num_seqs: int, global_num_tokens: int, max_response_tokens: int,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w [T] (or [B, S]) with `aggregate_loss(name, l, ...)` = sum_t w_t l_t: every mode is a sum of per-token
+    terms over constants of the batch, so a fused LM head can form d loss / d l_t = w_t per token. 0 where
+    the loss mask is false. Costs what `aggregate_loss` costs (seq_mean_token_mean counts T_i per rollout)."""
+    mask = loss_mask.to(torch.bool)
+    zero = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    if name == "seq_mean_token_sum_norm":
+        _check_count("global_num_seqs", global_num_seqs)
+        if max_response_tokens < 1:
+            raise ValueError(f"max_response_tokens must be >= 1, got {max_response_tokens}")
+        if global_num_seqs == 0:
+            return zero
+        return torch.where(mask, 1.0 / (float(global_num_seqs) * float(max_response_tokens)), zero)
+    if name == "token_mean":
+        _check_count("global_num_tokens", global_num_tokens)
+        return zero if global_num_tokens == 0 else torch.where(mask, 1.0 / float(global_num_tokens), zero)
+    if name == "seq_mean_token_mean":
+        _check_count("global_num_seqs", global_num_seqs)
+        _, flat_mask, seq = _flatten(zero, mask, seq_idx)
+        if flat_mask.numel() == 0 or global_num_seqs == 0:
+            return zero
+        _, local = torch.unique(seq, return_inverse=True)
+        per_seq = torch.bincount(local, weights=flat_mask.to(torch.float64))
+        denom = per_seq[local].clamp(min=1.0).to(dtype)  # T_i of each token's rollout
+        return torch.where(flat_mask, 1.0 / denom / float(global_num_seqs), 0.0).to(dtype).reshape(mask.shape)
+    raise ValueError(f"unknown loss aggregation {name!r}; valid: {list(AGGREGATION_NAMES)}")
+
+
 def aggregate_loss(name: AggregationName | str, token_loss: torch.Tensor, loss_mask: torch.Tensor,
                    seq_idx: torch.Tensor | None = None, *, global_num_seqs: int, global_num_tokens: int,
                    max_response_tokens: int) -> torch.Tensor:

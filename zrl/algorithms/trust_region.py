@@ -222,6 +222,78 @@ def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, adva
     return PolicyLoss(token_loss=token_loss, keep_mask=keep, stats=stats)
 
 
+# ---------------------------------------------------------------- per-token loss and gradient
+# What the fused LM head (zrl.modeling.kernels.lm_logprobs.fused) needs from a trust region: each token's
+# loss and d loss / d log p as functions of its own log p and constants, with no autograd. Each must equal
+# autograd through the loss above (tests/unit/trainer/test_fused_loss.py checks it in float64).
+
+
+def _dppo_loss_grad(keep_fn: Callable[..., torch.Tensor], logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                    advantages: torch.Tensor, loss_mask: torch.Tensor, delta: float,
+                    is_cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    lp, lq, adv, valid = _prepare(logprobs, behaviour_logprobs, advantages, loss_mask)
+    keep = keep_fn(lp, lq, adv, delta=delta) & valid
+    w = truncated_is_weight(lp, lq, is_cap)
+    coef = torch.where(keep, adv * w, torch.zeros_like(w))
+    return -coef * lp, -coef  # l_t = -coef sg(...) log p: d l_t / d log p = -coef
+
+
+def dppo_binary_tv_loss_grad(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                             loss_mask: torch.Tensor, *, delta: float = TV_DELTA,
+                             is_cap: float = IS_CAP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(l_t, d l_t / d log p) of `dppo_binary_tv_loss`."""
+    return _dppo_loss_grad(binary_tv_keep_mask, logprobs, behaviour_logprobs, advantages, loss_mask, delta, is_cap)
+
+
+def dppo_binary_kl_loss_grad(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                             loss_mask: torch.Tensor, *, delta: float = KL_DELTA,
+                             is_cap: float = IS_CAP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(l_t, d l_t / d log p) of `dppo_binary_kl_loss`."""
+    return _dppo_loss_grad(binary_kl_keep_mask, logprobs, behaviour_logprobs, advantages, loss_mask, delta, is_cap)
+
+
+def ppo_clip_loss_grad(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                       loss_mask: torch.Tensor, *, clip_low: float = PPO_CLIP_LOW,
+                       clip_high: float = PPO_CLIP_HIGH) -> tuple[torch.Tensor, torch.Tensor]:
+    """(l_t, d l_t / d log p) of `ppo_clip_loss`, autograd's conventions included: `minimum` splits the
+    gradient equally between equal arguments, `clamp` passes it on its closed interval."""
+    if not (0 < clip_low < 1 and clip_high > 0):
+        raise ValueError(f"need 0 < clip_low < 1 and clip_high > 0, got {clip_low}, {clip_high}")
+    lp, lq, adv, valid = _prepare(logprobs, behaviour_logprobs, advantages, loss_mask)
+    ratio = (lp - lq).exp()
+    plain, clipped = ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    surrogate = torch.minimum(plain, clipped)
+    share = torch.where(plain < clipped, 1.0, torch.where(plain == clipped, 0.5, 0.0)).to(ratio.dtype)
+    inside = ((ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high)).to(ratio.dtype)
+    d_surrogate = adv * (share + (1.0 - share) * inside) * ratio  # d surrogate / d log p
+    zero = torch.zeros_like(surrogate)
+    return torch.where(valid, -surrogate, zero), torch.where(valid, -d_surrogate, zero)
+
+
+_LOSS_GRADS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "dppo_binary_tv": dppo_binary_tv_loss_grad,
+    "dppo_binary_kl": dppo_binary_kl_loss_grad,
+    "ppo_clip": ppo_clip_loss_grad,
+}
+
+
+def token_separable(name: str) -> bool:
+    """Whether trust region `name` has a per-token (loss, gradient) function (`policy_loss_grad`)."""
+    return name in _LOSS_GRADS
+
+
+def policy_loss_grad(name: TrustRegionName | str, logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                     advantages: torch.Tensor, loss_mask: torch.Tensor,
+                     **params: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(l_t, d l_t / d log p) [same shape] of `policy_loss(name, ...)`, no autograd (inputs detached):
+    what a fused LM head applies to each chunk's log-probs."""
+    try:
+        fn = _LOSS_GRADS[name]
+    except KeyError:
+        raise ValueError(f"no per-token gradient for trust region {name!r}; valid: {list(_LOSS_GRADS)}") from None
+    return fn(logprobs, behaviour_logprobs, advantages, loss_mask, **params)
+
+
 _LOSSES: dict[str, Callable[..., PolicyLoss]] = {
     "dppo_binary_tv": dppo_binary_tv_loss,
     "dppo_binary_kl": dppo_binary_kl_loss,

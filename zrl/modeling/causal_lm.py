@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import noop_context_fn
 
-from zrl.modeling.logprobs import SamplingDistribution, chunked_token_logprobs
+from zrl.modeling.kernels.lm_logprobs import TokenGrad
+from zrl.modeling.logprobs import SamplingDistribution, chunked_head_loss, chunked_token_logprobs
 from zrl.modeling.precision import Fp32Op, to_op_dtype
 from zrl.modeling.routing import RoutingInfo
 
@@ -120,6 +121,37 @@ class PackedCausalLM(nn.Module):
         return TokenLogprobs(logprobs=_shaped(logprobs, input_ids.shape),
                              entropy=None if entropy is None else _shaped(entropy, input_ids.shape),
                              routing=routing)
+
+
+    def token_loss(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        token_grad: TokenGrad,
+        *,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+        position_ids: torch.Tensor | None = None,
+        routing_replay: torch.Tensor | None = None,
+        with_entropy: bool = False,
+        chunk_tokens: int | None = None,
+        sampling: SamplingDistribution | None = None,
+    ) -> tuple[torch.Tensor, TokenLogprobs]:
+        """(loss [], detached TokenLogprobs) of a token-separable loss: the LM head fused with it
+        (logprobs.chunked_head_loss), so the head's gradients are formed in this forward.
+
+        `token_grad(rows, logprob, entropy)` works on the flattened tokens ([T] or [B * S], rows a slice
+        of them); see zrl.modeling.kernels.lm_logprobs.fused. Arguments otherwise as `token_logprobs`.
+        """
+        if targets.shape != input_ids.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        hidden, routing = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, position_ids=position_ids,
+                                             routing_replay=routing_replay)
+        loss, logprobs, entropy = chunked_head_loss(hidden, self.lm_head_weight, targets.reshape(-1), token_grad,
+                                                    chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                                                    sampling=sampling)
+        return loss, TokenLogprobs(logprobs=_shaped(logprobs, input_ids.shape),
+                                   entropy=None if entropy is None else _shaped(entropy, input_ids.shape),
+                                   routing=routing)
 
 
 def _shaped(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

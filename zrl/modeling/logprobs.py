@@ -56,13 +56,13 @@ import dataclasses
 import torch
 
 from zrl.modeling import kernels
-from zrl.modeling.kernels.lm_logprobs import default_chunk_tokens, token_logprobs
+from zrl.modeling.kernels.lm_logprobs import TokenGrad, default_chunk_tokens, head_loss, token_logprobs
 from zrl.modeling.kernels.lm_logprobs.library import SplitProducts
 from zrl.modeling.kernels.lm_logprobs.reference import Fp32Products
 from zrl.modeling.precision import Fp32Op, to_op_dtype
 
-__all__ = ["SamplingDistribution", "chunked_token_logprobs", "default_chunk_tokens", "filtered_out",
-           "support_floor"]
+__all__ = ["SamplingDistribution", "chunked_token_logprobs", "chunked_head_loss", "default_chunk_tokens",
+           "filtered_out", "support_floor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +110,28 @@ def chunked_token_logprobs(
         floor = support_floor(hidden, weight, sampling, chunk_tokens=chunk_tokens)
     return token_logprobs(hidden, weight, targets, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
                           logit_floor=floor)
+
+
+def chunked_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    token_grad: TokenGrad,
+    *,
+    chunk_tokens: int | None = None,
+    with_entropy: bool = False,
+    sampling: SamplingDistribution | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(loss [], logprob [T], entropy [T] or None) of a token-separable loss under `sampling`, the LM head
+    fused with it (zrl.modeling.kernels.lm_logprobs.head_loss): the same distribution, temperature and
+    support as `chunked_token_logprobs`; logprob and entropy detached."""
+    if sampling is not None and sampling.temperature != 1.0:
+        hidden = to_op_dtype(hidden, Fp32Op.LM_HEAD) / sampling.temperature
+    floor = None
+    if sampling is not None and sampling.filtered:
+        floor = support_floor(hidden, weight, sampling, chunk_tokens=chunk_tokens)
+    return head_loss(hidden, weight, targets, token_grad, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                     logit_floor=floor)
 
 
 @torch.no_grad()

@@ -128,7 +128,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype,
     """`fully_shard` every unit (the model family's `fsdp_units`; default: every decoder layer
     `model.layers`), then the root (embedding, final norm, tied LM head).
 
-    `token_logprobs` is registered as a forward method so the root's parameters are gathered when the
+    `token_logprobs` (and `token_loss`) is registered as a forward method so the root's parameters are gathered when the
     trainer calls it instead of `forward` (not `hidden_states`: both call it, and the root's hooks must
     run once per pass).
     """
@@ -138,6 +138,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype,
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     register_fsdp_forward_method(model, "token_logprobs")
+    if hasattr(model, "token_loss"):  # the LM head fused with the loss (zrl.trainer.loss)
+        register_fsdp_forward_method(model, "token_loss")
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Sum, not average, over ranks (see the module docstring); pure SUM also works on gloo.

@@ -6,6 +6,15 @@ logprob log q, and aggregates with the recipe's mode normalised by GLOBAL counts
 whole TrainBatch, T_norm = max_response_tokens). Each microbatch returns its share; the sum over
 microbatches and ranks (gradient accumulation plus FSDP2 SUM reduction) is the global objective.
 
+The LM head is fused with the RL loss (`uses_fused_head`): every trust region and aggregation of
+zrl.algorithms is token-separable (a token's dL/dlog p depends on its own log p and constants), so the
+model's `token_loss` forms the head's gradients in the forward pass (zrl.modeling.kernels.lm_logprobs,
+fused.py) from `policy_loss_grad` x `token_weights`. The unfused path (`token_logprobs`, then
+`policy_loss` and `aggregate_loss` through autograd) is the fallback: for a model without `token_loss`,
+the Triton head backend (no fused variant), with gradients off, or `fused_head=False`. Either way the
+trust-region statistics come from `policy_loss` on the detached log-probs. With the fused head the
+head's backward GEMMs run (and are timed) in the forward phase.
+
 SFT: masked next-token NLL on response tokens, token mean over the global batch:
   L = -(1/N_tok) Σ_{response tokens} log p.
 
@@ -22,9 +31,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zrl.algorithms import TrustRegionStats, aggregate_loss, policy_loss
+from zrl.algorithms import (TrustRegionStats, aggregate_loss, policy_loss, policy_loss_grad, token_separable,
+                            token_weights)
 from zrl.canaries import MismatchStats, mismatch_sums
 from zrl.canaries.mismatch import NUM_SUMS
+from zrl.modeling.kernels.lm_logprobs import TokenGrad, head_loss_available
 from zrl.modeling.logprobs import SamplingDistribution
 from zrl.trainer.batch import Microbatch
 
@@ -57,20 +68,66 @@ def forward_logprobs(model, mb: Microbatch, *, with_entropy: bool, chunk_tokens:
                                 with_entropy=with_entropy, chunk_tokens=chunk_tokens, sampling=sampling)
 
 
+def uses_fused_head(model, mb: Microbatch, objective: RLObjective) -> bool:
+    """Whether `rl_microbatch_loss` fuses the LM head with the loss (see the module docstring)."""
+    return (torch.is_grad_enabled() and token_separable(objective.trust_region) and hasattr(model, "token_loss")
+            and head_loss_available(mb.input_ids))
+
+
 def rl_microbatch_loss(model, mb: Microbatch, objective: RLObjective, *, global_num_seqs: int,
                        global_num_tokens: int, trainer_step: int, stats: StepStats | None = None,
-                       with_entropy: bool = True, chunk_tokens: int | None = None) -> MicrobatchOutput:
-    """Forward one microbatch and return its loss term; adds its statistics to `stats` (not the dummy's)."""
-    out = forward_logprobs(model, mb, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
-                           sampling=objective.sampling)
-    pl = policy_loss(objective.trust_region, out.logprobs, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
-                     **objective.trust_region_params)
-    loss = aggregate_loss(objective.aggregation, pl.token_loss, mb.loss_mask, mb.seq_idx,
-                          global_num_seqs=global_num_seqs, global_num_tokens=global_num_tokens,
-                          max_response_tokens=objective.max_response_tokens)
+                       with_entropy: bool = True, chunk_tokens: int | None = None,
+                       fused_head: bool = True) -> MicrobatchOutput:
+    """Forward one microbatch and return its loss term; adds its statistics to `stats` (not the dummy's).
+    `fused_head`: allow the fused LM head (`uses_fused_head` decides); False forces the unfused path."""
+    if fused_head and uses_fused_head(model, mb, objective):
+        loss, out = _fused_rl_loss(model, mb, objective, global_num_seqs=global_num_seqs,
+                                   global_num_tokens=global_num_tokens, with_entropy=with_entropy,
+                                   chunk_tokens=chunk_tokens)
+        pl = None
+        if stats is not None and not mb.is_dummy:  # the trust region's statistics, from the detached log p
+            pl = policy_loss(objective.trust_region, out.logprobs, mb.behaviour_logprobs, mb.advantages,
+                             mb.loss_mask, **objective.trust_region_params)
+    else:
+        out = forward_logprobs(model, mb, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+                               sampling=objective.sampling)
+        pl = policy_loss(objective.trust_region, out.logprobs, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
+                         **objective.trust_region_params)
+        loss = aggregate_loss(objective.aggregation, pl.token_loss, mb.loss_mask, mb.seq_idx,
+                              global_num_seqs=global_num_seqs, global_num_tokens=global_num_tokens,
+                              max_response_tokens=objective.max_response_tokens)
     if stats is not None and not mb.is_dummy:
         stats.add_rl(mb, out, pl.stats, loss, trainer_step)
     return MicrobatchOutput(loss=loss, logprobs=out.logprobs.detach())
+
+
+def _fused_rl_loss(model, mb: Microbatch, objective: RLObjective, *, global_num_seqs: int, global_num_tokens: int,
+                   with_entropy: bool, chunk_tokens: int | None):
+    """(loss [], detached TokenLogprobs) through the model's fused head (`rl_token_grad`)."""
+    token_grad = rl_token_grad(objective, mb.behaviour_logprobs, mb.advantages, mb.loss_mask, mb.seq_idx,
+                               global_num_seqs=global_num_seqs, global_num_tokens=global_num_tokens)
+    return model.token_loss(mb.input_ids, mb.targets, token_grad, cu_seqlens=mb.cu_seqlens, routing_replay=mb.routing,
+                            with_entropy=with_entropy, chunk_tokens=chunk_tokens, sampling=objective.sampling)
+
+
+def rl_token_grad(objective: RLObjective, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                  loss_mask: torch.Tensor, seq_idx: torch.Tensor, *, global_num_seqs: int, global_num_tokens: int,
+                  dtype: torch.dtype = torch.float32) -> TokenGrad:
+    """The RL loss as the fused head's per-token function: L = sum_t w_t l_t with w the aggregation's
+    token weights (`token_weights`), l_t and dl_t/dlog p the trust region's (`policy_loss_grad`); the
+    same loss as `policy_loss` then `aggregate_loss`. Tensors [T] (flattened when [B, S])."""
+    weights = token_weights(objective.aggregation, loss_mask, seq_idx, global_num_seqs=global_num_seqs,
+                            global_num_tokens=global_num_tokens, max_response_tokens=objective.max_response_tokens,
+                            dtype=dtype).reshape(-1)
+    behaviour, advantages, loss_mask = behaviour_logprobs.reshape(-1), advantages.reshape(-1), loss_mask.reshape(-1)
+
+    def token_grad(rows: slice, logprob: torch.Tensor, entropy: torch.Tensor | None):
+        token_loss, grad = policy_loss_grad(objective.trust_region, logprob, behaviour[rows], advantages[rows],
+                                            loss_mask[rows], **objective.trust_region_params)
+        w = weights[rows].to(token_loss.dtype)
+        return token_loss * w, grad * w, None
+
+    return token_grad
 
 
 def sft_microbatch_loss(model, mb: Microbatch, *, global_num_tokens: int, stats: StepStats | None = None,

@@ -105,7 +105,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_h = []
         if grad_logprob is None:
             grad_logprob = lse.new_zeros(lse.shape)
-        grad_logprob = grad_logprob.float().masked_fill(targets < 0, 0.0)
+        grad_logprob = grad_logprob.to(lse.dtype).masked_fill(targets < 0, 0.0)  # fp32 (float64 products: float64)
         use_entropy = ctx.with_entropy and grad_entropy is not None and grad_entropy.numel() > 0
         for start in range(0, hidden.shape[0], c):
             sl = slice(start, start + c)
@@ -118,7 +118,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 p = torch.exp(logits - lse[sl, None])  # softmax from the saved lse
                 if dropped is not None:
                     p.masked_fill_(dropped, 0.0)
-                g_ent = grad_entropy[sl, None].float()
+                g_ent = grad_entropy[sl, None].to(lse.dtype)
                 grad_logits = logits.sub_(mean_logit[sl, None]).mul_(-g_ent).sub_(g_lp).mul_(p)
             else:
                 grad_logits = logits.sub_(lse[sl, None]).exp_()

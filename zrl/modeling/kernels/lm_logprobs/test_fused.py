@@ -1,0 +1,260 @@
+"""The LM head fused with a token-separable loss (fused.py) against the unfused op through autograd.
+
+Float64 products on both sides (the structure: chunking, the logit gradient, entropy and logit-floor
+terms, ignored targets, which inputs need a gradient), then the bf16-part products the library
+formulation runs on CUDA against float64 (their orders' bounds), their GEMM launches per chunk, and
+that nothing specialises on the token count. The RL loss's own token function is checked for every
+trust region and aggregation in tests/unit/trainer/test_fused_head_loss.py.
+"""
+
+import math
+
+import pytest
+import torch
+
+from zrl.modeling.kernels import use_backend
+from zrl.modeling.kernels.gemm_count import GemmCounter
+from zrl.modeling.kernels.lm_logprobs import head_loss, head_loss_available, token_logprobs
+from zrl.modeling.kernels.lm_logprobs.fused import FusedFp32Products, FusedSplitProducts, fused_head_loss
+from zrl.modeling.kernels.lm_logprobs.library import token_logprobs_library
+from zrl.modeling.kernels.lm_logprobs.reference import Fp32Products, _ChunkedTokenLogprobs
+
+
+class Float64Products(Fp32Products):
+    """The head's products in float64 (the reference casts to fp32): both sides of the structural tests."""
+
+    def __init__(self, hidden, weight, **_):
+        self.hidden, self.weight = hidden, weight
+
+    def logits(self, sl):
+        return self.hidden[sl] @ self.weight.t()
+
+    def new_grad_weight(self):
+        return torch.zeros_like(self.weight)
+
+    def add_grad_weight(self, grad_weight, grad_logits, sl):
+        grad_weight.addmm_(grad_logits.t(), self.hidden[sl])
+
+
+class FusedFloat64Products(Float64Products):
+    def grad_operand(self, grad_logits):
+        return grad_logits
+
+    def add_grad_weight(self, grad_weight, grad_logits, sl):
+        grad_weight = self.new_grad_weight() if grad_weight is None else grad_weight
+        super().add_grad_weight(grad_weight, grad_logits, sl)
+        return grad_weight
+
+
+def smooth_loss(upstream_lp, upstream_ent=None):
+    """Token function of L = sum_t a_t log p_t + b_t H_t, and its unfused twin."""
+    def token_grad(rows, logprob, entropy):
+        a = upstream_lp[rows].to(logprob.dtype)
+        if upstream_ent is None:
+            return a * logprob, a, None
+        b = upstream_ent[rows].to(logprob.dtype)
+        return a * logprob + b * entropy, a, b
+    return token_grad
+
+
+def case(t=30, d=12, v=40, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(t, d, generator=gen, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(v, d, generator=gen, dtype=torch.float64) * 0.8).to(dtype)
+    targets = torch.randint(0, v, (t,), generator=gen)
+    targets[[2, 7]] = -1  # ignored
+    a, b = torch.randn(t, generator=gen, dtype=torch.float64), torch.randn(t, generator=gen, dtype=torch.float64)
+    return hidden, weight, targets, a, b
+
+
+def floor_of(hidden, weight, seed=1):
+    """A floor at a per-token quantile of its logits (supports from 1 token to all), -inf for some."""
+    z = hidden.double() @ weight.double().t()
+    q = torch.rand(hidden.shape[0], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    floor = torch.stack([row.quantile(qi) for row, qi in zip(z, q)])
+    floor[0] = -math.inf
+    return floor.float()
+
+
+@pytest.mark.parametrize("entropy_term", [False, True], ids=["logprob-loss", "logprob-and-entropy-loss"])
+@pytest.mark.parametrize("floor", [False, True], ids=["", "floor"])
+@pytest.mark.parametrize("need", ["both", "hidden", "weight"])
+def test_fused_equals_unfused_in_float64(entropy_term, floor, need):
+    hidden, weight, targets, a, b = case()
+    fl = floor_of(hidden, weight) if floor else None
+    grads = dict(both=(True, True), hidden=(True, False), weight=(False, True))[need]
+    h, w = hidden.clone().requires_grad_(grads[0]), weight.clone().requires_grad_(grads[1])
+    lp, ent = _ChunkedTokenLogprobs.apply(h, w, targets, fl, 7, True, Float64Products)
+    want = (a * lp).sum() + ((b * ent).sum() if entropy_term else 0.0)
+    leaves = [x for x in (h, w) if x.requires_grad]
+    want_grads = torch.autograd.grad(want, leaves)
+    hf, wf = hidden.clone().requires_grad_(grads[0]), weight.clone().requires_grad_(grads[1])
+    loss, lpf, entf = fused_head_loss(hf, wf, targets, smooth_loss(a, b if entropy_term else None),
+                                      products=FusedFloat64Products, chunk_tokens=7, with_entropy=True, floor=fl)
+    got_grads = torch.autograd.grad(loss, [x for x in (hf, wf) if x.requires_grad])
+    assert not lpf.requires_grad and not entf.requires_grad
+    # measured: 0 to 1.1e-16 (the same float64 operations, summed in another order)
+    torch.testing.assert_close(lpf, lp.detach(), rtol=0, atol=1e-13)
+    torch.testing.assert_close(entf, ent.detach(), rtol=0, atol=1e-13)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-13, atol=1e-13)
+    for got, exp in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, exp, rtol=0, atol=1e-13)
+
+
+def test_upstream_gradient_scales_the_saved_gradients():
+    hidden, weight, targets, a, _ = case()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fused_head_loss(h, w, targets, smooth_loss(a), products=FusedFloat64Products, chunk_tokens=8)[0]
+    gh, gw = torch.autograd.grad(loss, [h, w], retain_graph=True)
+    gh3, gw3 = torch.autograd.grad(-3.0 * loss, [h, w])
+    torch.testing.assert_close(gh3, -3.0 * gh, rtol=0, atol=0)
+    torch.testing.assert_close(gw3, -3.0 * gw, rtol=0, atol=0)
+
+
+def test_no_tokens():
+    hidden, weight = torch.zeros(0, 12), torch.randn(40, 12).bfloat16()
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    loss, lp, ent = head_loss(h, w, torch.zeros(0, dtype=torch.long), smooth_loss(torch.zeros(0)),
+                              with_entropy=True)
+    loss.backward()
+    assert lp.shape == ent.shape == (0,) and float(loss.detach()) == 0.0
+    assert h.grad.shape == (0, 12) and w.grad.dtype == torch.bfloat16 and not w.grad.any()
+
+
+def test_dispatch_and_triton_has_no_fused_head():
+    hidden, weight, targets, a, _ = case(dtype=torch.float32)
+    for backend in ("reference", "auto"):  # CPU: both the reference's products
+        with use_backend(backend):
+            assert head_loss_available(hidden)
+            loss, lp, ent = head_loss(hidden, weight, targets, smooth_loss(a.float()))
+            torch.testing.assert_close(lp, token_logprobs(hidden, weight, targets)[0], rtol=0, atol=0)
+            assert ent is None
+    with pytest.raises(ValueError, match="hidden must be"):
+        head_loss(hidden[None], weight, targets, smooth_loss(a))
+
+
+# ---------------------------------------------------------------- bf16 parts (the library formulation's)
+
+def model_case(t=8, d=2048, v=4 * 2048 + 128):
+    """fp32 hidden states of RMSNorm scale, a bf16 weight giving logits ~ N(0, 16), and float64 truth of
+    L = sum_t u_t log p_t: (inputs, exact logprob, exact dh, exact dW)."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(t, d, generator=gen)
+    weight = (torch.randn(v, d, generator=gen) * 4 / math.sqrt(d)).bfloat16()
+    targets = torch.randint(0, v, (t,), generator=gen)
+    upstream = torch.randn(t, generator=gen)
+    z = hidden.double() @ weight.double().t()
+    logp = torch.log_softmax(z, dim=-1)
+    grad_z = -logp.exp() * upstream.double()[:, None]
+    grad_z[torch.arange(t), targets] += upstream.double()
+    exact = logp.gather(1, targets[:, None])[:, 0], grad_z @ weight.double(), grad_z.t() @ hidden.double()
+    return (hidden, weight, targets, upstream), exact
+
+
+def errors(got, exact):
+    return [(g.double() - e).abs().max().item() for g, e in zip(got, exact)]
+
+
+def test_split_products_against_float64():
+    """The orders of FusedSplitProducts (README "Fused head loss"), against float64, next to the unfused
+    library op's and the fp32 reference products'. Measured (CPU, V = 8,320, D = 2048, T = 8;
+    bench/results/lm-head-gemm-count-cpu-2026-11-28.md): logprob 2.8e-6 (fp32 reference 2.12e-6, values
+    ~20 where an fp32 ulp is 1.9e-6); dh 8.8e-7 = 2.35e-6 of max |dh| (order 1; the reference 1.74e-7,
+    a bf16 rounding 9.5e-4); dW 7.73e-3, the final bf16 rounding itself (order 0 would give 1.78e-2)."""
+    (hidden, weight, targets, upstream), exact = model_case()
+    results = {}
+    for name, products in (("fused", FusedSplitProducts), ("fp32", FusedFp32Products)):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, lp, _ = fused_head_loss(h, w, targets, smooth_loss(upstream), products=products, chunk_tokens=8)
+        loss.backward()
+        assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.bfloat16
+        results[name] = errors((lp, h.grad, w.grad), exact)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp = token_logprobs_library(h, w, targets, chunk_tokens=None, with_entropy=False)[0]
+    (lp * upstream).sum().backward()
+    results["unfused"] = errors((lp, h.grad, w.grad), exact)
+    summary = "; ".join(f"{k}: " + ", ".join(f"{e:.3g}" for e in v) for k, v in results.items())
+    (lp_e, dh_e, dw_e), (ref_lp, ref_dh, ref_dw) = results["fused"], results["fp32"]
+    assert lp_e <= 1.5 * ref_lp, summary  # fp32-level log-probs, as the unfused op's
+    assert dh_e <= 5e-6 * exact[1].abs().max().item(), summary  # order 1: ~2^-18 of the largest entry, 1e-3 of bf16's
+    assert dw_e <= 1.5 * ref_dw, summary  # the bf16 result's own rounding
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.float16, torch.float16),
+                                    (torch.float32, torch.float32)], ids=["fp32-bf16", "fp16", "fp32"])
+def test_split_products_match_the_unfused_library_op(dtypes):
+    """Same loss through both; the differences are the fused op's orders (dh order 1; fp16 G rounded once)."""
+    hd, wd = dtypes
+    gen = torch.Generator().manual_seed(3)
+    hidden = (torch.randn(40, 48, generator=gen) * 0.4).to(hd)
+    weight = torch.randn(100, 48, generator=gen).to(wd)
+    targets = torch.randint(0, 100, (40,), generator=gen)
+    targets[4:6] = -1
+    upstream = torch.randn(40, generator=gen)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, lp, _ = fused_head_loss(h, w, targets, smooth_loss(upstream), products=FusedSplitProducts, chunk_tokens=16)
+    loss.backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp2 = token_logprobs_library(h2, w2, targets, chunk_tokens=16, with_entropy=False)[0]
+    (lp2 * upstream).sum().backward()
+    # measured: logprob <= 1.9e-6 (values <= 16); dh 3.8e-5 on 0.9 with an fp32 weight (its 3 parts at
+    # order 1 against the unfused op's order 2), less with a bf16 one; fp16: one ulp; dW one bf16 / fp16 step
+    torch.testing.assert_close(lp, lp2.detach(), rtol=1e-5, atol=1e-5)
+    grad_tol = dict(rtol=2e-3, atol=4e-3) if hd == torch.float16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h.grad, h2.grad, **grad_tol)
+    w_tol = dict(rtol=2 ** -6, atol=1e-5) if wd == torch.bfloat16 else grad_tol
+    torch.testing.assert_close(w.grad, w2.grad, **w_tol)
+
+
+# ---------------------------------------------------------------- GEMM launches per chunk
+
+@pytest.mark.parametrize("dtypes, unfused, fused", [
+    # (launches fwd, launches bwd, GEMM-equivalents of 2 c V D)
+    ((torch.float32, torch.bfloat16), (3, 7, 12), (3, 0, 8)),  # the model's case
+    ((torch.bfloat16, torch.bfloat16), (1, 3, 4), (3, 0, 3)),
+    ((torch.float32, torch.float32), (6, 13, 24), (4, 0, 15)),
+], ids=["fp32-bf16", "bf16", "fp32"])
+def test_gemm_launches_per_chunk(dtypes, unfused, fused):
+    """Per chunk, forward + backward: the unfused library op recomputes the logits in its backward (3 + 3
+    + 3 + 1 launches: logits twice, dh, one K-stacked dW); the fused op runs one K-stacked logits GEMM, one
+    M-stacked dh GEMM and one K-stacked dW GEMM in its forward and none in its backward."""
+    chunks, c, d, v = 3, 8, 16, 64
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(chunks * c, d, generator=gen).to(dtypes[0]), torch.randn(v, d, generator=gen).to(dtypes[1])
+    targets, upstream = torch.randint(0, v, (chunks * c,), generator=gen), torch.randn(chunks * c, generator=gen)
+    unit = 2.0 * c * v * d * chunks
+
+    def per_chunk(fwd, bwd):
+        return (fwd.total_launches / chunks, bwd.total_launches / chunks, (fwd.total_flops + bwd.total_flops) / unit)
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with GemmCounter() as fwd:
+        lp = token_logprobs_library(h, w, targets, chunk_tokens=c, with_entropy=True)[0]
+    with GemmCounter() as bwd:
+        (lp * upstream).sum().backward()
+    assert per_chunk(fwd, bwd) == unfused
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with GemmCounter() as fwd:
+        loss = fused_head_loss(h, w, targets, smooth_loss(upstream), products=FusedSplitProducts, chunk_tokens=c,
+                               with_entropy=True)[0]
+    with GemmCounter() as bwd:
+        loss.backward()
+    assert per_chunk(fwd, bwd) == fused
+
+
+def test_nothing_specialises_on_the_token_count(monkeypatch):
+    """The fused op is PyTorch ops only: no Triton kernel is launched and nothing is compiled, whatever
+    the token count (the unfused Triton kernels keep T out of their specialisation keys, README)."""
+    import triton.runtime.jit as jit
+
+    launched = []
+    monkeypatch.setattr(jit.JITFunction, "run", lambda self, *a, **k: launched.append(self))
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    weight = torch.randn(64, 16).bfloat16().requires_grad_()
+    for t in (1, 5, 17, 40):
+        hidden = torch.randn(t, 16, requires_grad=True)
+        targets = torch.randint(0, 64, (t,))
+        loss = fused_head_loss(hidden, weight, targets, smooth_loss(torch.ones(t)), products=FusedSplitProducts,
+                               chunk_tokens=16)[0]
+        loss.backward()
+    assert not launched and torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
