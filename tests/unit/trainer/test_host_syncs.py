@@ -263,11 +263,26 @@ KERNEL_REFERENCES = ("zrl/modeling/kernels/", "zrl/moepp/kernels/")
 BUDGET = 0
 
 
+# The fused LM head (zrl/modeling/kernels/lm_logprobs/fused.py) is what the RL loss runs: its own sites
+# must make none either, though they lie under the kernels' folder.
+FUSED_HEAD = "zrl/modeling/kernels/lm_logprobs/fused.py"
+
+
+@pytest.mark.parametrize("head", ["fused", "unfused"])
 @pytest.mark.parametrize("checkpointing, sampling", [
     (True, SamplingDistribution()),
     (False, SamplingDistribution(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01)),  # the support-floor pass
 ], ids=["checkpointed", "filtered_sampling"])
-def test_microbatch_host_syncs_within_budget(tiny_checkpoint, single_rank, monkeypatch, checkpointing, sampling):
+def test_microbatch_host_syncs_within_budget(tiny_checkpoint, single_rank, monkeypatch, checkpointing, sampling,
+                                             head):
+    import zrl.trainer.loss as trainer_loss
+
+    fused_calls = []
+    if head == "unfused":
+        monkeypatch.setattr(trainer_loss, "uses_fused_head", lambda *a: False)
+    else:
+        uses = trainer_loss.uses_fused_head
+        monkeypatch.setattr(trainer_loss, "uses_fused_head", lambda *a: fused_calls.append(uses(*a)) or fused_calls[-1])
     ref = load_hf_checkpoint(tiny_checkpoint)
     cfg = ref.config
     batch = synthetic_train_batch(vocab_size=cfg.vocab_size, shape=get_family(cfg.model_type).shape(cfg), num_groups=2, group_size=3, trainer_step=0, seed=3,
@@ -281,8 +296,33 @@ def test_microbatch_host_syncs_within_budget(tiny_checkpoint, single_rank, monke
     counters = count_microbatches(worker, worker.share_of(batch), monkeypatch)
     assert len(counters) >= 2
     for counter in counters:
-        budgeted = sum(n for (_, site), n in counter.by_site.items() if not any(k in site for k in KERNEL_REFERENCES))
+        budgeted = sum(n for (_, site), n in counter.by_site.items()
+                       if FUSED_HEAD in site or not any(k in site for k in KERNEL_REFERENCES))
         assert budgeted <= BUDGET, f"{budgeted} host syncs in one microbatch:\n{counter.table()}"
+    assert head == "unfused" or (fused_calls and all(fused_calls)), "the RL loss ran the fused head"
+
+
+def test_fused_head_split_products_make_no_host_sync():
+    """The fused head with CUDA's products (bf16 parts; on CPU the same calls on fp32 values), a logit
+    floor and ignored targets: no would-be host synchronisation, forward or backward."""
+    from zrl.modeling.kernels.lm_logprobs.fused import FusedSplitProducts, fused_head_loss
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(20, 16, generator=gen).requires_grad_()
+    weight = torch.randn(64, 16, generator=gen).bfloat16().requires_grad_()
+    targets = torch.randint(0, 64, (20,), generator=gen)
+    targets[3] = -1
+    floor = torch.randn(20, generator=gen)
+    upstream = torch.randn(20, generator=gen)
+
+    def token_grad(rows, logprob, entropy):
+        return upstream[rows] * logprob, upstream[rows], upstream[rows]
+
+    with SyncCounter() as counter:
+        loss = fused_head_loss(hidden, weight, targets, token_grad, products=FusedSplitProducts, chunk_tokens=8,
+                               with_entropy=True, floor=floor)[0]
+        loss.backward()
+    assert counter.total == 0, counter.table()
 
 
 def test_onpolicy_scoring_host_syncs_within_budget(tiny_checkpoint, single_rank, monkeypatch):
