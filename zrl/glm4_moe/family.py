@@ -14,7 +14,7 @@ from typing import Any
 
 from zrl.glm4_moe.config import MODEL_TYPE, Glm4MoEConfig
 from zrl.modeling.hf_names import HFNames
-from zrl.models.family import ROUTING_CAPTURE_ROUTER_HOOK, ModelFamily, ModelShape
+from zrl.models.family import ROUTING_CAPTURE_ROUTER_HOOK, LoRAModules, ModelFamily, ModelShape
 
 
 class Glm4MoEFamily(ModelFamily):
@@ -23,6 +23,14 @@ class Glm4MoEFamily(ModelFamily):
     routing_capture = ROUTING_CAPTURE_ROUTER_HOOK
     hf_names = HFNames(MODEL_TYPE, per_expert=True, fp32=("e_score_correction_bias",),
                        layers_beyond_config_unused=True)
+    # The router is absent: its forward reads `weight` itself (fp32 logits for the grouped top-k).
+    lora_modules = LoRAModules(
+        attention=("layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj", "layers.*.self_attn.v_proj",
+                   "layers.*.self_attn.o_proj"),
+        experts=("layers.*.mlp.experts",),
+        dense_mlp=("layers.*.mlp.gate_proj", "layers.*.mlp.up_proj", "layers.*.mlp.down_proj",
+                   "layers.*.mlp.shared_experts.gate_proj", "layers.*.mlp.shared_experts.up_proj",
+                   "layers.*.mlp.shared_experts.down_proj"))
     tiny_config = dict(
         hidden_size=64,
         intermediate_size=96,  # the dense first layer's MLP width

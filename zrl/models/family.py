@@ -70,6 +70,20 @@ class ModelShape:
         return self.num_experts + int(self.skip_class)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoRAModules:
+    """Where low-rank adapters go in a family's model (zrl.modeling.lora), by kind: patterns over the
+    model's module names, `*` standing for one name part (a layer index). `attention`, `dense_mlp` and
+    `router` name `nn.Linear` modules whose own forward computes the output (a subclass with its own
+    forward cannot be wrapped), `experts` names `zrl.modeling.experts.SwiGLUExperts`. An empty `router`
+    says the family's router has no such module (a recipe asking for router adapters is refused)."""
+
+    attention: tuple[str, ...]
+    experts: tuple[str, ...]
+    dense_mlp: tuple[str, ...] = ()
+    router: tuple[str, ...] = ()
+
+
 class BiasController(Protocol):
     """What `ModelFamily.bias_balancer` returns: an optimizer on the router biases, stepped with the
     global batch's [L, C] expert counts (the trainer checkpoints `optimizer` and reads `biases`' device)."""
@@ -104,6 +118,7 @@ class ModelFamily(abc.ABC):
     # The tiny CPU checkpoint's HF config fields (the vocabulary and special token ids are the tiny
     # tokenizer's, zrl.assets); preflight reads its max_position_embeddings before the model exists.
     tiny_config: ClassVar[Mapping[str, Any]]
+    lora_modules: ClassVar[LoRAModules]  # where `model.lora` puts adapters (zrl.modeling.lora)
 
     # ------------------------------------------------------------------ config (no torch)
 

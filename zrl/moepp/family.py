@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from zrl.modeling.hf_names import HFNames
-from zrl.models.family import ROUTING_CAPTURE_MODEL_FORWARD, ModelFamily, ModelShape
+from zrl.models.family import ROUTING_CAPTURE_MODEL_FORWARD, LoRAModules, ModelFamily, ModelShape
 from zrl.moepp.config import MODEL_TYPE, MoEPPConfig
 
 
@@ -22,6 +22,14 @@ class MoEPPFamily(ModelFamily):
     vllm_architecture = "ZayaForCausalLM"
     routing_capture = ROUTING_CAPTURE_MODEL_FORWARD
     hf_names = HFNames(MODEL_TYPE, fp32=("balancing_biases",))
+    # CCA's convolutions and the router MLP (read by the fused routing op) take no adapters; the router's
+    # down-projection is an ordinary Linear.
+    lora_modules = LoRAModules(
+        attention=("layers.*.self_attn.qkv_proj.q_proj", "layers.*.self_attn.qkv_proj.k_proj",
+                   "layers.*.self_attn.qkv_proj.v_proj_current", "layers.*.self_attn.qkv_proj.v_proj_delayed",
+                   "layers.*.self_attn.o_proj"),
+        experts=("layers.*.mlp.experts",),
+        router=("layers.*.mlp.gate.down_proj",))
     tiny_config = dict(
         hidden_size=64,
         num_hidden_layers=2,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from zrl.modeling.hf_names import HFNames
-from zrl.models.family import ROUTING_CAPTURE_ROUTER_HOOK, ModelFamily, ModelShape
+from zrl.models.family import ROUTING_CAPTURE_ROUTER_HOOK, LoRAModules, ModelFamily, ModelShape
 from zrl.qwen3_moe.config import MODEL_TYPE, Qwen3MoEConfig
 
 
@@ -21,6 +21,12 @@ class Qwen3MoEFamily(ModelFamily):
     vllm_architecture = "Qwen3MoeForCausalLM"
     routing_capture = ROUTING_CAPTURE_ROUTER_HOOK
     hf_names = HFNames(MODEL_TYPE, per_expert=True)
+    lora_modules = LoRAModules(
+        attention=("layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj", "layers.*.self_attn.v_proj",
+                   "layers.*.self_attn.o_proj"),
+        experts=("layers.*.mlp.experts",),
+        dense_mlp=("layers.*.mlp.gate_proj", "layers.*.mlp.up_proj", "layers.*.mlp.down_proj"),
+        router=("layers.*.mlp.gate",))
     tiny_config = dict(
         hidden_size=64,
         intermediate_size=96,  # the dense layers' MLP width
