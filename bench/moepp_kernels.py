@@ -13,6 +13,8 @@ router latent R 256, V 262,272) against, in the same run and with the same weigh
                 grouped GEMM, unsort); transformers' own grouped_mm experts path too on CUDA
   library       for the LM head: its library formulation (lm_logprobs/library.py: the reference's chunks
                 with every product a sum of bf16 cuBLAS GEMMs on exact parts of the fp32 operands)
+  fused         for the LM head: the head fused with the RL loss (lm_logprobs/fused.py, what the trainer's
+                loss runs): dh and dW formed in the forward, its "fwd" row is the whole head
 Rows are grouped: "vs ref" and "vs HF" are speed-ups (baseline time / row time, > 1 = faster) against
 the group's reference and transformers rows. TFLOP/s and GB/s use the formulas of moepp_kernels_work.py
 (useful work: routed tokens only, causal attention half, no recomputation), and "%pk" is the share of
@@ -57,7 +59,7 @@ from moepp_kernels_work import (FULL, SMALL, Shape, Work, cca_work, dense_gemm_f
                                 residual_norm_work, router_work)
 
 KERNELS = ("experts", "router", "residual_norm", "cca", "lm_logprobs", "layer")
-IMPLS = ("reference", "triton", "transformers", "grouped_mm", "library")
+IMPLS = ("reference", "triton", "transformers", "grouped_mm", "library", "fused")
 GOAL_TOKENS, GOAL_FRACTION = 16384, 0.70
 
 
@@ -370,6 +372,8 @@ def lm_logprobs_groups(ctx: Ctx, tokens: int) -> list[Group]:
 
         impls.append(Impl("library", lambda: token_logprobs_library(hidden, weight, targets, chunk_tokens=None,
                                                                     with_entropy=False)[0], leaves))
+    if "fused" in ctx.impls:
+        impls.append(Impl("fused", _fused_head_loss(ctx, hidden, weight, targets), leaves))
     note = ""
     if "transformers" in ctx.impls and ctx.hf is not None:
         # lm_head in the weight dtype, then log_softmax in fp32: [T, V] logits, their fp32 copy, the
@@ -385,6 +389,27 @@ def lm_logprobs_groups(ctx: Ctx, tokens: int) -> list[Group]:
 
             impls.append(Impl("transformers", run, leaves))
     return [Group("lm_logprobs", lm_logprobs_work(s, tokens, ctx.act), impls, note, fp32=True)]
+
+
+def _fused_head_loss(ctx: Ctx, hidden: torch.Tensor, weight: torch.Tensor,
+                     targets: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The LM head fused with the RL loss (lm_logprobs.head_loss, what the trainer runs: DPPO Binary-TV,
+    Dr-GRPO aggregation) under `auto`: its forward forms dh and dW, its backward scales them."""
+    from zrl.algorithms import policy_loss_grad, token_weights
+    from zrl.modeling.kernels.lm_logprobs import head_loss
+
+    tokens = hidden.shape[0]
+    advantages = torch.randn(tokens, generator=ctx.gen).to(ctx.device)
+    behaviour = (-torch.rand(tokens, generator=ctx.gen) * 8).to(ctx.device)
+    mask = torch.ones(tokens, dtype=torch.bool, device=ctx.device)
+    weights = token_weights("seq_mean_token_sum_norm", mask, None, global_num_seqs=max(1, tokens // ctx.doc_len), global_num_tokens=tokens,
+                            max_response_tokens=ctx.doc_len)
+
+    def token_grad(rows, logprob, entropy):
+        loss, grad = policy_loss_grad("dppo_binary_tv", logprob, behaviour[rows], advantages[rows], mask[rows])
+        return loss * weights[rows], grad * weights[rows], None
+
+    return _scoped("auto", lambda: head_loss(hidden, weight, targets, token_grad)[0])
 
 
 def _init_layer(layer: torch.nn.Module) -> None:

@@ -275,6 +275,8 @@ def test_summarise_and_goals_from_rows():
              probe.PartResult("kernels", "16", "ok", 1.0, [
                  {**kernel, "group": "lm_logprobs", "impl": impl, "ms": ms, "share_gemm": 0.5}
                  for impl, ms in (("library", 2.0), ("triton", 9.0), ("transformers", 3.0))]
+              + [{**kernel, "group": "lm_logprobs", "impl": impl, "mode": "fwd+bwd", "ms": ms, "share_gemm": 0.5}
+                 for impl, ms in (("fused", 5.0), ("transformers", 4.0))]
               + [{**kernel, "group": "experts", "impl": "grouped_mm", "ms": 1.0, "share_gemm": 0.75},
                  {"kind": "error", "where": "cca triton fwd", "error": "OutOfMemoryError: x"}])]
     s = probe.summarise(parts)
@@ -300,6 +302,9 @@ def test_summarise_and_goals_from_rows():
     assert rows["MFU at 40 layers, projected from 4 and 8"][2:] == (">= 30% of the data sheet", "met")
     # the LM head that CUDA runs ("library"), against transformers' bf16 head
     assert rows["LM head fwd at 16: transformers"][1:] == ("1.50x", ">= 0.25x", "met")
+    # the head fused with the loss (the trainer's RL path) against the bf16 head, fwd+bwd: 5 / 4 ms
+    assert rows["LM head fused with the loss, fwd+bwd at 16: fused ms / transformers"][1:] == ("1.25x", "<= 1.5x",
+                                                                                             "met")
     assert rows["experts fwd share of the dense GEMM at 16"][3] == "met"
     assert rows["experts fwd share of the dense GEMM at 64"][3] == "-"  # not measured, not a verdict
     assert rows["`gpu` tests"][1] == "not run"
@@ -345,7 +350,7 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
         assert {"lm_logprobs", "experts", "cca", "cca+proj", "layer", "layer ragged", "attention", "attention equal",
                 "router", "residual_norm"} <= groups
         impls = {r["impl"] for r in s["kernels"] if r["tokens"] == tokens}
-        assert {"reference", "transformers", "grouped_mm", "library"} <= impls  # triton runs on CUDA only
+        assert {"reference", "transformers", "grouped_mm", "library", "fused"} <= impls  # triton runs on CUDA only
     assert set(s["trainer"]) == {"4 full", "4 selective", "8 full", "fit 9"}
     assert len(s["trainer"]["4 full"]["profile"]["top"]) == 20 and "profile" not in s["trainer"]["8 full"]
     for name, run in s["trainer"].items():
