@@ -23,7 +23,9 @@ its JSON twin:
              residual_norm, decoder layer) as the Triton kernel vs the PyTorch reference vs transformers'
              piece vs the library op (experts: torch._grouped_mm), fwd and fwd+bwd: ms, TFLOP/s and the
              share of a dense [T, D] x [D, 2F] GEMM timed in the same part (bench/moepp_kernels.py's
-             groups; FLOPs from bench/moepp_kernels_work.py)
+             groups; FLOPs from bench/moepp_kernels_work.py). The LM head also as "fused": the head fused
+             with the RL loss (lm_logprobs/fused.py, what the trainer's loss runs); the summary sets its
+             fwd+bwd at 16k tokens against transformers' bf16 head (goal <= 1.5x)
   gpu_tests  `pytest -m gpu zrl/modeling/kernels zrl/moepp/kernels`: counts and each failure's first line
 The report (summary, projection, goals, Markdown) is gpu_probe_report.py, the trainer parts and the fit
 search's arithmetic gpu_probe_trainer.py. Each part runs in its own Python process under a time limit: a CUDA error or a hang ends that part only, what it measured before is kept,
