@@ -19,6 +19,9 @@ Invariants:
   with trainer_state.json holds a complete checkpoint.
 - The model's weights alone load in one process without a process group (`load_model_weights`, for
   `zrl export`): DCP reads them into a plain module whatever the number of ranks that saved them.
+- Frozen parameters (the base under LoRA, zrl.modeling.lora) are not saved: they are the run's
+  `model.path`, unchanged. A checkpoint of a LoRA run holds the adapters, their optimizer state and the
+  buffers; loading checks that whatever it does not hold is frozen in the model it loads into.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ if TYPE_CHECKING:  # the router-bias controller of a model family that has one (
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+# The model entry: trained parameters and buffers; frozen parameters (a LoRA run's base) are the model path's.
+_TRAINED = StateDictOptions(ignore_frozen_params=True)
 FORMAT_VERSION = 1
 
 
@@ -65,7 +70,7 @@ def save_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
     data_state = dict(data_state or {})
     _check_json(data_state)
     has_optimizer_state = bool(optimizer.state)
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    state: dict[str, Any] = {"model": get_model_state_dict(model, options=_TRAINED)}
     if has_optimizer_state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     dcp.save(state, checkpoint_id=str(path))
@@ -90,11 +95,11 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
     """Collective: restore everything `save_checkpoint` wrote, on any number of ranks."""
     path = Path(path)
     meta = read_trainer_state(path)
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    state: dict[str, Any] = {"model": get_model_state_dict(model, options=_TRAINED)}
     if meta["has_optimizer_state"]:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+    _set_trained_state(model, state["model"])
     if meta["has_optimizer_state"]:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
     scheduler.load_state_dict(meta["scheduler"])
@@ -128,12 +133,23 @@ def load_model_weights(path: str | Path, model: torch.nn.Module) -> int:
     """Load the model entry of checkpoint `path` into `model`, a plain (unsharded) module of the same
     architecture, in this process alone (no process group needed); returns the checkpoint's step."""
     meta = read_trainer_state(path)
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": get_model_state_dict(model, options=_TRAINED)}
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the point here
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    set_model_state_dict(model, state["model"])
+    _set_trained_state(model, state["model"])
     return meta["step"]
+
+
+def _set_trained_state(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Load a state dict of the trained parameters and buffers (`_TRAINED`); every key it lacks must be a
+    frozen parameter of `model`."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    result = set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    missing = set(result.missing_keys) - frozen
+    if missing or result.unexpected_keys:
+        raise ValueError(f"checkpoint and model disagree: missing {sorted(missing)[:3]}, unexpected "
+                         f"{sorted(result.unexpected_keys)[:3]}")
 
 
 def _check_json(data_state: dict[str, Any]) -> None:

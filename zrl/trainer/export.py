@@ -8,6 +8,10 @@ sync announces before it streams). `iter_weight_buckets` groups the tensors into
 shards. All ranks must iterate to the end together (each gather is a collective); ranks that do not
 send weights simply drop what they gathered.
 
+A model with LoRA adapters (zrl.modeling.lora) exports its base's names, shapes and dtypes: each adapted
+tensor is merged (W + scale B A, fp32) right after it and its adapters are gathered; `export_peft_adapter`
+writes the adapters alone as a PEFT directory.
+
 Names are the Hugging Face checkpoint keys the rollout engine's loader reads, from the model family's
 `hf_tensors` (zrl/models: MoE++ prefixes `model.`; Qwen3-MoE also splits a fused expert tensor into
 per-expert matrices). Parameters are cast to `dtype`; buffers (the fp32 balancing biases) keep
@@ -28,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from zrl.config.schema import Asynchrony
+from zrl.modeling.lora import is_adapter, merged_tensors, peft_adapter, write_peft_adapter
 from zrl.models import family_of
 
 logger = logging.getLogger(__name__)
@@ -53,11 +58,21 @@ class WeightBucket:
 
 
 def weight_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    """(name, tensor, is_parameter) for every parameter (shared ones once) and persistent buffer: what a
-    weight sync sends (and what the trainer's copy of a synced version holds, zrl.trainer.onpolicy)."""
+    """(name, tensor, is_parameter) for every parameter (shared ones once) and persistent buffer: what the
+    trainer's copy of a synced version holds (zrl.trainer.onpolicy); a weight sync sends the same without
+    the adapters, merged into their base tensors."""
     yield from ((name, p, True) for name, p in model.named_parameters())
     persistent = model.state_dict(keep_vars=True).keys()
     yield from ((name, b, False) for name, b in model.named_buffers() if name in persistent)
+
+
+def _exported_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """`weight_tensors` without the adapters (zrl.modeling.lora): what the engine and an HF export hold."""
+    return ((name, t, is_param) for name, t, is_param in weight_tensors(model) if not is_adapter(name))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach()
 
 
 def _export_dtype(tensor: torch.Tensor, is_param: bool, dtype: torch.dtype | None) -> torch.dtype:
@@ -70,7 +85,7 @@ def weight_specs(model: nn.Module, dtype: torch.dtype | None = torch.bfloat16) -
     (the family's naming runs on a meta tensor of the full shape)."""
     family = family_of(model)
     specs = []
-    for name, tensor, is_param in weight_tensors(model):
+    for name, tensor, is_param in _exported_tensors(model):
         out_dtype = _export_dtype(tensor, is_param, dtype)
         shell = torch.empty(tensor.shape, dtype=out_dtype, device="meta")
         specs += [(key, tuple(part.shape), out_dtype) for key, part in family.hf_tensors(name, shell)]
@@ -80,10 +95,10 @@ def weight_specs(model: nn.Module, dtype: torch.dtype | None = torch.bfloat16) -
 @torch.no_grad()
 def _iter_gathered(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(state-dict name, full tensor in its export dtype) one at a time; collective (each sharded
-    parameter is all-gathered when its turn comes)."""
-    for name, tensor, is_param in weight_tensors(model):
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-        yield name, full.to(_export_dtype(tensor, is_param, dtype))
+    parameter is all-gathered when its turn comes). Adapters are merged into their base tensors in fp32
+    first (zrl.modeling.lora.merged_tensors: the tensor and its adapters gathered, one at a time)."""
+    for name, full, is_param in merged_tensors(model, full=_full):
+        yield name, full.to(_export_dtype(full, is_param, dtype))
 
 
 @torch.no_grad()
@@ -110,6 +125,16 @@ def iter_weight_buckets(model: nn.Module, *, version: int, dtype: torch.dtype | 
         pending.append((name, full))
         size += nbytes
     yield WeightBucket(version=version, index=index, tensors=tuple(pending), last=True)
+
+
+def export_peft_adapter(model: nn.Module, path: str | Path, *, version: int, base_model: str | None) -> None:
+    """Collective: the adapters gathered module by module, rank 0 writes them as a PEFT adapter directory."""
+    tensors, config = peft_adapter(model, base_model=base_model, full=_full)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_peft_adapter(tensors, config, path)
+        logger.info("exported the adapters of policy version %d to %s", version, path)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def export_hf_checkpoint(model: nn.Module, path: str | Path, *, version: int, dtype: torch.dtype | None,

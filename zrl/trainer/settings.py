@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zrl.config.schema import Algorithm, ModelSpec, Optimizer, Resources, RLStage, Sampling, SFTStage
+from zrl.config.schema import Algorithm, LoRASpec, ModelSpec, Optimizer, Resources, RLStage, Sampling, SFTStage
 from zrl.modeling.kernels import BACKENDS
 from zrl.modeling.logprobs import SamplingDistribution
 from zrl.modeling.routing import BIAS_BALANCER_LR
@@ -37,6 +37,8 @@ class TrainerSettings:
     # compute dtype of the gathered parameters; masters and reduction fp32
     param_dtype: str = _MODEL["dtype"].default
     kernels: str = _MODEL["kernels"].default  # zrl.modeling.kernels backend: auto, triton or reference
+    # recipe model.lora: adapters on a frozen base kept in param_dtype (zrl.modeling.lora); None = full fine-tuning
+    lora: LoRASpec | None = _MODEL["lora"].default
     activation_checkpointing: bool = _RESOURCES["activation_checkpointing"].default  # recompute each layer
     # with checkpointing: every k-th layer (zrl.trainer.activations), and whether matmul outputs are kept
     activation_checkpointing_every_layers: int = _RESOURCES["activation_checkpointing_every_layers"].default

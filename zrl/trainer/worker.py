@@ -39,12 +39,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from zrl.models import family_of_checkpoint
 from zrl.modeling import kernels
+from zrl.modeling.lora import apply_lora, initial_adapter_state
 from zrl.optim import MuonAdamW, lr_scheduler
 from zrl.trainer import checkpoint as ckpt
 from zrl.trainer.activations import OffloadSavedTensors, configure_checkpointing
 from zrl.trainer.batch import SFTExample, pack_rollouts, pack_sft
 from zrl.trainer.distributed import Rendezvous, build_mesh, device_of_backend, init_process_group, shard_model
-from zrl.trainer.export import DEFAULT_BUCKET_BYTES, WeightBucket, export_hf_checkpoint, iter_weight_buckets
+from zrl.trainer.export import (DEFAULT_BUCKET_BYTES, WeightBucket, export_hf_checkpoint, export_peft_adapter,
+                                iter_weight_buckets)
 from zrl.trainer.loss import StepStats, forward_logprobs, rl_microbatch_loss, sft_microbatch_loss
 from zrl.trainer.onpolicy import SyncedShards, onpolicy_sample
 from zrl.trainer.settings import TrainerSettings
@@ -116,26 +118,42 @@ class TrainerWorker:
     # ------------------------------------------------------------------ set-up
 
     def _build_model(self) -> torch.nn.Module:
-        """Build on the meta device, shard, then load the checkpoint: rank 0 reads it and broadcasts."""
+        """Build on the meta device, shard, then load the checkpoint: rank 0 reads it and broadcasts.
+
+        With `settings.lora` the base is adapted on the meta device and kept in `param_dtype` (frozen: no
+        fp32 master, no gradient, no optimizer state); rank 0 broadcasts the adapters' initial values
+        (B = 0) with the base weights."""
         config = self.family.read_config(self.model_path)
         kernels.set_backend(self.settings.kernels)
+        lora = self.settings.lora
+        base_dtype = self.settings.torch_param_dtype if lora is not None else torch.float32
         with torch.device("meta"):
             model = self.family.build(config)
+            if lora is not None:
+                model.to(base_dtype)
+                apply_lora(model, lora)
         configure_checkpointing(model, enabled=self.settings.activation_checkpointing,
                                 every_layers=self.settings.activation_checkpointing_every_layers,
                                 selective=self.settings.activation_checkpointing_selective)
         shard_model(model, self.mesh, self.settings.torch_param_dtype, units=self.family.fsdp_units(model))
         model.to_empty(device=self.device)
-        full = self.family.load_state_dict(self.model_path, dtype=torch.float32) if self.rank == 0 else {}
+        full = {}
+        if self.rank == 0:
+            full = self.family.load_state_dict(self.model_path, dtype=base_dtype)
+            if lora is not None:
+                full.update(initial_adapter_state(model))
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         return model
 
     def _build_optimizer(self) -> None:
         s = self.settings
-        groups = self.family.optimizer_param_groups(self.model)
+        groups = self.family.optimizer_param_groups(self.model)  # trainable parameters only
+        # Under LoRA only the adapters train, all of them AdamW's (zrl.modeling.params: they are no Linear
+        # weight); a group without parameters is left out (a checkpoint would not record its tag).
+        names = ("hidden_matrices", "embed_norm_conv") if s.lora is None else ("hidden_matrices", "adapters")
         self.optimizer = MuonAdamW(
-            [{"params": list(groups["muon"].values()), "optimizer": "muon", "name": "hidden_matrices"},
-             {"params": list(groups["adamw"].values()), "optimizer": "adamw", "name": "embed_norm_conv"}],
+            [{"params": list(groups[tag].values()), "optimizer": tag, "name": name}
+             for tag, name in zip(("muon", "adamw"), names) if groups[tag]],
             muon=s.muon_hyperparams(), adamw=s.adamw_hyperparams(), distributed_mode=s.muon_mode)
         self.scheduler = lr_scheduler(self.optimizer, warmup_steps=s.optimizer.warmup_steps,
                                       schedule=s.optimizer.schedule, total_steps=s.total_steps)
@@ -148,7 +166,7 @@ class TrainerWorker:
         `keep_optimizer_state` carries the AdamW moments over (recipe `inherit.optimizer_state`).
         Sharding and memory settings cannot change without rebuilding the worker.
         """
-        fixed = ("param_dtype", "kernels", "hsdp_replicas", "activation_checkpointing",
+        fixed = ("param_dtype", "kernels", "lora", "hsdp_replicas", "activation_checkpointing",
                  "activation_checkpointing_every_layers", "activation_checkpointing_selective")
         changed = [f for f in fixed if getattr(settings, f) != getattr(self.settings, f)]
         if changed:
@@ -266,7 +284,7 @@ class TrainerWorker:
         metrics.update({
             "grad/norm_muon": norms.muon, "grad/norm_adamw": norms.adamw, "grad/norm_total": norms.total,
             "grad/adamw_clipped": float(norms.adamw_clipped),
-            "optim/lr_muon": float(lrs["muon"]), "optim/lr_adamw": float(lrs["adamw"]),
+            "optim/lr_muon": float(lrs.get("muon", 0.0)), "optim/lr_adamw": float(lrs.get("adamw", 0.0)),
             "optim/muon_ns_flops_local": float(self.optimizer.last_muon_stats.ns_flops),
             "optim/version": float(self.version),
             "perf/step_s": step_s, "perf/forward_s": forward_s, "perf/backward_s": backward_s,
@@ -362,8 +380,15 @@ class TrainerWorker:
         return iter_weight_buckets(self.model, version=self.version, dtype=dtype, bucket_bytes=bucket_bytes)
 
     def export_hf(self, path: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> None:
-        """Write the policy as a HF checkpoint of its model_type (rank 0 writes, tokenizer files copied)."""
+        """Write the policy as a HF checkpoint of its model_type (rank 0 writes, tokenizer files copied);
+        with adapters, merged into the base tensor by tensor."""
         export_hf_checkpoint(self.model, path, version=self.version, dtype=dtype, companion_dir=self.model_path)
+
+    def export_adapter(self, path: str | Path) -> None:
+        """Write the adapters as a PEFT adapter directory naming the base (rank 0 writes); collective."""
+        if self.settings.lora is None:
+            raise ValueError("export_adapter: this trainer has no adapters (model.lora is unset)")
+        export_peft_adapter(self.model, path, version=self.version, base_model=str(self.model_path))
 
     def shutdown(self) -> None:
         """Release the process group if this worker created it."""

@@ -29,12 +29,14 @@ router down-projection); GLM-4.5's router reads its weight itself (fp32 grouped 
 Importing this package imports torch (zrl.modeling itself does not).
 """
 
-from zrl.modeling.lora.apply import (adapted_modules, adapter_parameters, apply_lora, is_adapter, reset_adapters,
-                                     target_patterns)
+from zrl.modeling.lora.apply import (adapted_modules, adapter_parameters, apply_lora, initial_adapter_state,
+                                     is_adapter, reset_adapters, target_patterns)
 from zrl.modeling.lora.layers import LoRALinear, LoRASwiGLUExperts
 from zrl.modeling.lora.merge import merge_weight, merged_state_dict, merged_tensors
-from zrl.modeling.lora.peft_format import load_peft_adapter, read_peft_config, save_peft_adapter
+from zrl.modeling.lora.peft_format import (load_peft_adapter, peft_adapter, read_peft_config, save_peft_adapter,
+                                           write_peft_adapter)
 
-__all__ = ["LoRALinear", "LoRASwiGLUExperts", "adapted_modules", "adapter_parameters", "apply_lora", "is_adapter",
-           "load_peft_adapter", "merge_weight", "merged_state_dict", "merged_tensors", "read_peft_config",
-           "reset_adapters", "save_peft_adapter", "target_patterns"]
+__all__ = ["LoRALinear", "LoRASwiGLUExperts", "adapted_modules", "adapter_parameters", "apply_lora",
+           "initial_adapter_state", "is_adapter", "load_peft_adapter", "merge_weight", "merged_state_dict",
+           "merged_tensors", "peft_adapter", "read_peft_config", "reset_adapters", "save_peft_adapter",
+           "target_patterns", "write_peft_adapter"]

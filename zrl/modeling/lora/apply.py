@@ -98,10 +98,23 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if is_adapter(name)}
 
 
-def reset_adapters(model: nn.Module, *, seed: int = 0) -> None:
-    """A as PEFT initialises it (drawn on the CPU from one generator seeded with `seed`, module after module),
-    B = 0: the adapted model computes the base's outputs. On a sharded model call it before sharding or
-    on the full parameters."""
+def initial_adapter_state(model: nn.Module, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """{adapter name: initial value} on the CPU in fp32: A as PEFT initialises it (kaiming-uniform, drawn
+    module after module from one generator seeded with `seed`), B = 0, so the adapted model computes the
+    base's outputs. Reads only the parameters' shapes (meta, sharded or full alike): what a sharded
+    trainer broadcasts from rank 0 together with the base weights."""
     generator = torch.Generator().manual_seed(seed)
-    for _, module in adapted_modules(model):
-        module.reset_lora_parameters(generator)
+    state = {}
+    for name, module in adapted_modules(model):
+        prefix = f"{name}." if name else ""
+        for attr, value in module.initial_lora_state(generator).items():
+            state[prefix + attr] = value
+    return state
+
+
+@torch.no_grad()
+def reset_adapters(model: nn.Module, *, seed: int = 0) -> None:
+    """Set every adapter of an unsharded model to `initial_adapter_state(model, seed=seed)`."""
+    params = adapter_parameters(model)
+    for name, value in initial_adapter_state(model, seed=seed).items():
+        params[name].copy_(value)

@@ -36,14 +36,12 @@ def lora_delta(x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scal
     return F.linear(F.linear(x, lora_A), lora_B) * scale
 
 
-def init_lora_A(lora_A: torch.Tensor, generator: torch.Generator) -> None:
+def initial_lora_A(shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
     """PEFT's default for A: kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)) per matrix
-    ([..., r, in]: each expert's matrix alike), drawn on the CPU from `generator` (the same values on
-    every rank and device)."""
-    bound = 1.0 / math.sqrt(lora_A.shape[-1])
-    values = torch.rand(lora_A.shape, generator=generator, dtype=torch.float32) * (2 * bound) - bound
-    with torch.no_grad():
-        lora_A.copy_(values)
+    ([..., r, in]: each expert's matrix alike), drawn on the CPU in fp32 from `generator` (the same values
+    on every rank and device)."""
+    bound = 1.0 / math.sqrt(shape[-1])
+    return torch.rand(shape, generator=generator, dtype=torch.float32) * (2 * bound) - bound
 
 
 class LoRALinear(nn.Linear):
@@ -63,11 +61,10 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)  # nn.Linear's own op
         return out + lora_delta(x, self.lora_A, self.lora_B, self.scale, self.dropout, self.training).to(out.dtype)
 
-    def reset_lora_parameters(self, generator: torch.Generator) -> None:
-        """A as PEFT initialises it, B = 0: the adapted layer starts as the base."""
-        init_lora_A(self.lora_A, generator)
-        with torch.no_grad():
-            self.lora_B.zero_()
+    def initial_lora_state(self, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """A as PEFT initialises it, B = 0 (the adapted layer starts as the base); CPU fp32."""
+        return {"lora_A": initial_lora_A(self.lora_A.shape, generator),
+                "lora_B": torch.zeros(self.lora_B.shape, dtype=torch.float32)}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scale={self.scale}, dropout={self.dropout}"
@@ -101,12 +98,12 @@ class LoRASwiGLUExperts(SwiGLUExperts):
                                   self.down_proj_lora_B, self.scale, self.dropout if self.training else 0.0)
         return lora_experts(x, expert_ids, gate, self.gate_up_proj, self.down_proj, adapters)
 
-    def reset_lora_parameters(self, generator: torch.Generator) -> None:
-        init_lora_A(self.gate_up_proj_lora_A, generator)
-        init_lora_A(self.down_proj_lora_A, generator)
-        with torch.no_grad():
-            self.gate_up_proj_lora_B.zero_()
-            self.down_proj_lora_B.zero_()
+    def initial_lora_state(self, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Each A as PEFT initialises a matrix, each B = 0; CPU fp32."""
+        return {"gate_up_proj_lora_A": initial_lora_A(self.gate_up_proj_lora_A.shape, generator),
+                "down_proj_lora_A": initial_lora_A(self.down_proj_lora_A.shape, generator),
+                "gate_up_proj_lora_B": torch.zeros(self.gate_up_proj_lora_B.shape, dtype=torch.float32),
+                "down_proj_lora_B": torch.zeros(self.down_proj_lora_B.shape, dtype=torch.float32)}
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, rank={self.rank}, scale={self.scale}, dropout={self.dropout}, "

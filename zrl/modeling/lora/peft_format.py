@@ -79,10 +79,10 @@ def _settings(model: nn.Module) -> tuple[int, float, float]:
 
 
 @torch.no_grad()
-def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model: str | None = None,
-                      full: Full = _local) -> Path:
-    """Write the adapters of `model` as a PEFT directory `path` (created); `full` gathers a sharded
-    adapter (a module's adapters are gathered once, held until the next module's come)."""
+def peft_adapter(model: nn.Module, *, base_model: str | None = None,
+                 full: Full = _local) -> tuple[dict[str, torch.Tensor], dict]:
+    """(PEFT key -> CPU fp32 tensor, adapter_config.json's content) of `model`'s adapters; collective when
+    `full` is (a module's adapters are gathered once, held until the next module's come)."""
     rank, alpha, dropout = _settings(model)
     tensors: dict[str, torch.Tensor] = {}
     targets: set[str] = set()
@@ -97,17 +97,27 @@ def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model: str | N
         tensors[f"{key}.lora_A.weight"] = a.clone()  # own storage: a shared A is written per expert
         tensors[f"{key}.lora_B.weight"] = b.clone()
         targets.add(key.rsplit(".", 1)[1])
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / WEIGHTS_FILE, metadata={"format": "pt"})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(targets),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
     }
+    return tensors, config
+
+
+def write_peft_adapter(tensors: dict[str, torch.Tensor], config: dict, path: str | Path) -> Path:
+    """Write `peft_adapter`'s result as directory `path` (created)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / WEIGHTS_FILE, metadata={"format": "pt"})
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return path
+
+
+def save_peft_adapter(model: nn.Module, path: str | Path, *, base_model: str | None = None) -> Path:
+    """Write the adapters of an unsharded `model` as a PEFT directory `path`."""
+    return write_peft_adapter(*peft_adapter(model, base_model=base_model), path)
 
 
 def read_peft_config(path: str | Path) -> dict:
