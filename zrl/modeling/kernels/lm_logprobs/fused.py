@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from zrl.modeling import kernels
 from zrl.modeling.kernels.lm_logprobs import library, reference
 from zrl.modeling.kernels.lm_logprobs.library import _gemm, _pairs, split_parts
 from zrl.modeling.kernels.lm_logprobs.reference import Fp32Products, supported
@@ -45,6 +46,7 @@ GRAD_HIDDEN_ORDER = 1  # dh: relative error ~2^-16 (measured bounds in README.md
 #   rounding every decoder layer's backward GEMM applies to the gradient it receives
 GRAD_WEIGHT_ORDER_16BIT = 1  # dW returned in a 16-bit dtype: ~2^-16 sums under its final 2^-9 rounding
 GRAD_WEIGHT_ORDER_FP32 = 2  # dW returned in fp32
+_MAX_KERNEL_BLOCKS = 4  # grad_parts_kernel.MAX_BLOCKS (not imported: that module imports Triton)
 
 
 class FusedFp32Products(Fp32Products):
@@ -83,7 +85,7 @@ class FusedSplitProducts:
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, *, need_h: bool = True,
                  need_w: bool = True, grad_hidden_order: int = GRAD_HIDDEN_ORDER,
-                 grad_weight_order: int | None = None) -> None:
+                 grad_weight_order: int | None = None, parts_kernel: bool | None = None) -> None:
         self.native = hidden.dtype == weight.dtype and hidden.dtype in (torch.float16, torch.bfloat16)
         self.dtype, self.weight_shape, self.device = hidden.dtype, weight.shape, weight.device
         h_parts, w_parts = self._parts(hidden), self._parts(weight)  # [P_h, T, D], [P_w, V, D]
@@ -111,6 +113,13 @@ class FusedSplitProducts:
             self.dh_blocks.append((j, at, len(needed)))
         self.grad_sequence = sequence  # gradient part of each [c, V] block of the buffer
         self.dw_hidden = [j for _, j in w_pairs]  # hidden part against each block, for dW
+        # G's parts from the logits in one Triton pass (grad_parts_kernel.py) on CUDA; None = where it can
+        # run (CUDA, Triton installed, split parts in at most its MAX_BLOCKS blocks); True forces it (tests,
+        # through the interpreter)
+        if parts_kernel is None:
+            parts_kernel = (weight.is_cuda and kernels.triton_available() and not self.native
+                            and 0 < len(sequence) <= _MAX_KERNEL_BLOCKS)
+        self.parts_kernel = parts_kernel
 
     def _parts(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
@@ -124,8 +133,7 @@ class FusedSplitProducts:
     def grad_operand(self, grad_logits: torch.Tensor) -> torch.Tensor:
         """[n, c, V] 16-bit: the parts of G in `grad_sequence` order (G [c, V] fp32 is clobbered).
 
-        The elementwise pass that writes G's parts from the logits; on CUDA a fused kernel is to replace
-        these few PyTorch passes (README.md, "Fused head loss")."""
+        The elementwise work in PyTorch (a few passes over [c, V]); on CUDA `grad_parts` does it in one."""
         seq = self.grad_sequence
         out = torch.empty((len(seq), *grad_logits.shape), dtype=torch.bfloat16 if not self.native else self.dtype,
                           device=grad_logits.device)
@@ -143,6 +151,13 @@ class FusedSplitProducts:
             if written[part] != block:
                 out[block].copy_(out[written[part]])
         return out
+
+    def grad_parts(self, z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g_lp: torch.Tensor,
+                   g_ent: torch.Tensor | None, mean: torch.Tensor | None) -> torch.Tensor:
+        """`grad_operand` of the logit gradient, formed from the logits z [c, V] in one kernel pass."""
+        from zrl.modeling.kernels.lm_logprobs.grad_parts_kernel import grad_parts
+
+        return grad_parts(z, lse, targets, g_lp, g_ent, mean, self.grad_sequence)
 
     def grad_hidden(self, parts: torch.Tensor) -> torch.Tensor:
         """[c, D] fp32: sum of G_i W_j over `h_pairs`, one M-stacked GEMM per weight part."""
@@ -212,8 +227,10 @@ class FusedHeadLoss(torch.autograd.Function):
                 continue
             g_lp = g_lp.to(z.dtype).masked_fill(y < 0, 0.0)
             g_ent = None if g_ent is None else g_ent.to(z.dtype)
-            grad = _grad_logits_(z, lse, y, g_lp, g_ent, mean, dropped)
-            operand = head.grad_operand(grad)
+            if getattr(head, "parts_kernel", False):
+                operand = head.grad_parts(z, lse, y, g_lp, g_ent, mean)
+            else:
+                operand = head.grad_operand(_grad_logits_(z, lse, y, g_lp, g_ent, mean, dropped))
             if need_h:
                 grad_h.append(head.grad_hidden(operand))
             if need_w:

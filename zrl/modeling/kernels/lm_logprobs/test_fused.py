@@ -258,3 +258,55 @@ def test_nothing_specialises_on_the_token_count(monkeypatch):
                                chunk_tokens=16)[0]
         loss.backward()
     assert not launched and torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
+
+
+# ---------------------------------------------------------------- the gradient-parts kernel (one pass)
+
+@pytest.mark.parametrize("sequence", [[0, 1, 0], [0, 1], [0], [0, 1, 2]])
+@pytest.mark.parametrize("entropy_term", [False, True], ids=["", "entropy"])
+def test_grad_parts_kernel_matches_the_pytorch_passes(sequence, entropy_term):
+    """Triton's CPU interpreter (the parts stored as integer bit patterns, so exact there): the same G as
+    `_grad_logits_`, split the same way, a logit floor (-inf logits) and an ignored target included.
+    Measured: G from the parts within 6e-8 of the PyTorch G (values up to 1.2; exp rounds differently in
+    the last bit), ~0.4% of the parts' bit patterns different (that last bit moving the mid part)."""
+    from zrl.modeling.kernels.lm_logprobs.fused import _grad_logits_
+    from zrl.modeling.kernels.lm_logprobs.grad_parts_kernel import grad_parts
+
+    gen = torch.Generator().manual_seed(0)
+    c, v = 5, 2500  # 3 vocabulary blocks, the last one partial
+    z = torch.randn(c, v, generator=gen) * 4
+    z[1, 100:2000] = -math.inf
+    lse = torch.logsumexp(z, -1)
+    targets = torch.randint(0, v, (c,), generator=gen)
+    targets[2] = -1
+    g_lp = torch.randn(c, generator=gen)
+    g_lp[2] = 0.0
+    g_ent = torch.randn(c, generator=gen) if entropy_term else None
+    p = torch.exp(z - lse[:, None])
+    mean = torch.where(torch.isinf(z), 0.0, p * z).sum(-1) if entropy_term else None
+    want = _grad_logits_(z.clone(), lse, targets, g_lp, g_ent, mean, torch.isinf(z) if entropy_term else None)
+    got = grad_parts(z, lse, targets, g_lp, g_ent, mean, sequence)
+    assert got.shape == (len(sequence), c, v) and got.dtype == torch.bfloat16
+    first = {part: sequence.index(part) for part in set(sequence)}
+    for block, part in enumerate(sequence):  # a repeated part is the same bits
+        assert torch.equal(got[block].view(torch.int16), got[first[part]].view(torch.int16))
+    total = sum(got[block].float() for block in first.values())
+    tol = {1: 2 ** -8, 2: 2 ** -16, 3: 2 ** -23}[len(first)]  # what the dropped parts may leave
+    assert (total - want).abs().max() <= tol * want.abs().max() + 1e-7
+    assert torch.equal(got[first[0]], want.to(torch.bfloat16)) or (got[first[0]].float() - want).abs().max() < 1e-2
+
+
+def test_fused_head_with_the_parts_kernel_equals_the_pytorch_passes():
+    import functools
+
+    (hidden, weight, targets, upstream), _ = model_case(t=6, d=64, v=3000)
+    results = []
+    for kernel in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        products = functools.partial(FusedSplitProducts, parts_kernel=kernel)
+        loss, lp, ent = fused_head_loss(h, w, targets, smooth_loss(upstream, upstream.flip(0)), products=products,
+                                        chunk_tokens=4, with_entropy=True)
+        loss.backward()
+        results.append((loss.detach(), lp, ent, h.grad, w.grad.float()))
+    for got, want in zip(*results):  # G's last bit may move (exp): dW then one bf16 step apart at most
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-6)

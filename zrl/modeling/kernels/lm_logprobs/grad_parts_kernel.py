@@ -1,0 +1,104 @@
+"""One elementwise pass per chunk of the fused head loss: the logit gradient's bf16 parts written straight
+from the logits (fused.py's `_grad_logits_` + `FusedSplitProducts.grad_operand`, in one Triton kernel).
+
+Per logit z[r, v] of a chunk ([c, V] fp32; -inf outside a token's support):
+  p = exp(z - lse[r]);  G = g_lp[r] (1[v = y_r] - p) - g_ent[r] p (z - mean[r])   (entropy term optional)
+  hi = bf16(G), mid = bf16(G - hi), lo = bf16(G - hi - mid)   (round to nearest even, exact remainders)
+and each part goes to the [c, V] blocks of the output that `sequence` names (e.g. [hi, mid, hi]): one read
+of z (4 B per logit), one write per block (2 B), where the PyTorch formulation makes ~6 passes.
+
+The parts are rounded with integer arithmetic on the fp32 bits and stored as int16 bit patterns into a
+bf16 buffer viewed as int16: the same rounding as `Tensor.to(torch.bfloat16)`, and exact under Triton's CPU
+interpreter, which gets bf16 arithmetic wrong. Grid [c, V / BLOCK_V]; the chunk size c and V are not
+specialised on, so a microbatch's last (shorter) chunk compiles nothing new.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 1024
+MAX_BLOCKS = 4  # output blocks a launch writes (the fused head's sequences: [hi, mid, hi], [hi, mid], [hi], ...)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """Round fp32 x to bf16 (nearest even): (its 16 bits in the low half of a uint32, the value as fp32)."""
+    u = x.to(tl.uint32, bitcast=True)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)  # NaN stays a (quiet) NaN
+    return rounded, (rounded << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_part(out_ptr, block: tl.constexpr, part: tl.constexpr, offs, mask, bits0, bits1, bits2, block_stride):
+    """Block `block` of the output gets part `part` (0 hi, 1 mid, 2 lo); nothing when block's part is -1."""
+    if part >= 0:
+        if part == 0:
+            bits = bits0
+        elif part == 1:
+            bits = bits1
+        else:
+            bits = bits2
+        tl.store(out_ptr + block * block_stride + offs, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rows", "vocab"])
+def _grad_parts_kernel(z_ptr, lse_ptr, g_lp_ptr, g_ent_ptr, mean_ptr, y_ptr, out_ptr, rows, vocab,
+                       HAS_ENTROPY: tl.constexpr, PARTS: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
+                       S2: tl.constexpr, S3: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < vocab
+    offs = r.to(tl.int64) * vocab + cols
+    z = tl.load(z_ptr + offs, mask=mask, other=float("-inf"))
+    lse = tl.load(lse_ptr + r)
+    g_lp = tl.load(g_lp_ptr + r)
+    y = tl.load(y_ptr + r)
+    p = tl.exp(z - lse)
+    if HAS_ENTROPY:
+        centred = tl.where(z == float("-inf"), 0.0, z - tl.load(mean_ptr + r))
+        grad = (centred * -tl.load(g_ent_ptr + r) - g_lp) * p
+    else:
+        grad = p * -g_lp
+    grad = tl.where(cols == y, grad + g_lp, grad)
+    bits0, hi = _bf16_bits(grad)
+    bits1 = bits0
+    bits2 = bits0
+    if PARTS > 1:
+        rest = grad - hi
+        bits1, mid = _bf16_bits(rest)
+        if PARTS > 2:
+            bits2, _ = _bf16_bits(rest - mid)
+    block_stride = rows.to(tl.int64) * vocab
+    _store_part(out_ptr, 0, S0, offs, mask, bits0, bits1, bits2, block_stride)
+    _store_part(out_ptr, 1, S1, offs, mask, bits0, bits1, bits2, block_stride)
+    _store_part(out_ptr, 2, S2, offs, mask, bits0, bits1, bits2, block_stride)
+    _store_part(out_ptr, 3, S3, offs, mask, bits0, bits1, bits2, block_stride)
+
+
+def grad_parts(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g_lp: torch.Tensor,
+               g_ent: torch.Tensor | None, mean: torch.Tensor | None, sequence: list[int]) -> torch.Tensor:
+    """[len(sequence), c, V] bf16: block k holds part sequence[k] of G (see the module docstring).
+
+    z [c, V] fp32, lse / g_lp / g_ent / mean [c] fp32, targets [c] int64 (< 0: none; g_lp is 0 there)."""
+    if not 0 < len(sequence) <= MAX_BLOCKS or not set(sequence) <= {0, 1, 2}:
+        raise ValueError(f"1 to {MAX_BLOCKS} output blocks of parts 0-2, got {sequence}")
+    rows, vocab = z.shape
+    out = torch.empty((len(sequence), rows, vocab), dtype=torch.bfloat16, device=z.device)
+    if rows == 0:
+        return out
+    ent = g_ent is not None
+    lse = lse.float().contiguous()
+    _grad_parts_kernel[(rows, triton.cdiv(vocab, BLOCK_V))](
+        z.contiguous(), lse, g_lp.float().contiguous(), g_ent.float().contiguous() if ent else lse,
+        mean.float().contiguous() if ent else lse, targets.contiguous(), out.view(torch.int16), rows, vocab,
+        HAS_ENTROPY=ent, PARTS=max(sequence) + 1, S0=_at(sequence, 0), S1=_at(sequence, 1), S2=_at(sequence, 2),
+        S3=_at(sequence, 3), BLOCK=BLOCK_V)
+    return out
+
+
+def _at(sequence: list[int], k: int) -> int:
+    return sequence[k] if k < len(sequence) else -1
