@@ -149,6 +149,17 @@ def drive_lm_logprobs(hidden_dtype: torch.dtype, weight_dtype: torch.dtype, t: i
         _backward((logprob, entropy) if with_entropy else (logprob,), [hidden, weight])
 
 
+def drive_lm_head_grad_parts(with_entropy: bool, c: int = 1024, v: int = ZAYA1["V"],
+                             sequence: tuple[int, ...] = (0, 1, 0)) -> None:
+    """The fused head loss's gradient-parts pass (lm_logprobs/grad_parts_kernel.py) on one chunk of the
+    library formulation's size (c = 1024 at V = 262,272), parts [hi, mid, hi] (fp32 hidden, bf16 W)."""
+    from zrl.modeling.kernels.lm_logprobs.grad_parts_kernel import grad_parts
+
+    row = _meta(c, dtype=fp32)
+    grad_parts(_meta(c, v, dtype=fp32), row, _meta(c, dtype=torch.int64), row, row if with_entropy else None,
+               row if with_entropy else None, list(sequence))
+
+
 def _production() -> list[Driver]:
     """bf16 is the training dtype; fp32 wherever the launcher takes it."""
     def prod(op, label, run, trainer=False):
@@ -167,6 +178,8 @@ def _production() -> list[Driver]:
         prod("lm_logprobs", "fp32 hidden, bf16 W, floor", lambda: drive_lm_logprobs(fp32, bf16, floor=True),
              trainer=True),
         prod("lm_logprobs", "bf16 hidden+W", lambda: drive_lm_logprobs(bf16, bf16)),
+        prod("lm_logprobs", "fused head: G parts", lambda: drive_lm_head_grad_parts(False), trainer=True),
+        prod("lm_logprobs", "fused head: G parts, entropy term", lambda: drive_lm_head_grad_parts(True)),
     ]
 
 
