@@ -319,6 +319,10 @@ def token_drivers() -> dict[str, Callable[[int], None]]:
     def lm_logprobs(t: int) -> None:
         drive_lm_logprobs(fp32, bf16, t)
         drive_lm_logprobs(fp32, bf16, t, floor=True)
+        # the fused head loss (the trainer's RL loss): chunks of 1024 tokens, the last one T mod 1024
+        for c in {min(1024, t), t % 1024} - {0}:
+            drive_lm_head_grad_parts(True, c)
+            drive_lm_head_grad_parts(False, c)
 
     return {
         "experts": lambda t: drive_experts(bf16, t),
