@@ -51,7 +51,6 @@ Resume (`zrl run --resume`, a `ResumePoint` read from latest.json at trainer ste
   steps that led to the alarm.
 """
 
-import contextlib
 import json
 import logging
 import os
@@ -197,6 +196,7 @@ class Cascade:
         self.layout = RunDir(self.run_dir)
         self.resume = resume
         self.rollout_pool: Pool | None = None
+        self._reward_pool = None  # the reward-model actors (zrl.reward_model.RewardModelPool) while a stage needs them
         self.trainer_pool: Pool | None = None
         self.metrics: MetricsLogger | None = None
         self._frontier: dict | None = None  # running max solve rates at the end of the last RL stage
@@ -306,8 +306,9 @@ class Cascade:
         """Train the stage from `step` (its first step, or a checkpoint's with `data_state`) to its end."""
         checkpoint = self._checkpointer(stage, ranks)
         if isinstance(stage, RLStage):
-            with self._reward_model(stage):
-                return self._run_rl_stage(stage, ranks, first_step, step, data_state, checkpoint)
+            self._reward_models(any(registry.get(spec.name).uses_reward_model for spec in stage.environments))
+            return self._run_rl_stage(stage, ranks, first_step, step, data_state, checkpoint)
+        self._reward_models(False)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.recipe.model.tokenizer_path or self.model_path)
@@ -353,20 +354,18 @@ class Cascade:
                                                      for s in rl_stages),
                             max_worker_restarts=max(s.asynchrony.max_worker_restarts for s in rl_stages))
 
-    @contextlib.contextmanager
-    def _reward_model(self, stage):
-        """The recipe's reward-model actors, up while a stage with a reward-model environment runs."""
-        if not any(registry.get(spec.name).uses_reward_model for spec in stage.environments):
-            yield
-            return
-        from zrl.reward_model import RewardModelPool
+    def _reward_models(self, needed: bool) -> None:
+        """Start the recipe's reward-model actors when `needed` and not up, stop them when up and not. They
+        stay up from an RL stage that scores with them through its export's evaluation, which a rollout
+        worker then serves too."""
+        if needed and self._reward_pool is None:
+            from zrl.reward_model import RewardModelPool
 
-        pool = RewardModelPool(self.recipe.reward_model, self.recipe.resources)
-        pool.start()
-        try:
-            yield
-        finally:
-            pool.stop()
+            self._reward_pool = RewardModelPool(self.recipe.reward_model, self.recipe.resources)
+            self._reward_pool.start()
+        elif not needed and self._reward_pool is not None:
+            self._reward_pool.stop()
+            self._reward_pool = None
 
     def _finish_stage(self, index: int, ranks: list, step: int, elapsed_s: float) -> None:
         """Export the stage's final policy, plot its metrics, then write its record (marks it finished)."""
@@ -434,13 +433,18 @@ class Cascade:
     def _run_export_evaluation(self, stage, hf_dir: Path, pairs: list, version: int, next_rl: RLStage | None) -> list:
         """The results of `pairs` ((entry key, EvalRequest)) on the export at `hf_dir`, on the engine of
         rollout worker 0: the one the RL stage kept or, when an RL stage follows, that stage's worker 0,
-        started now (one engine start where there would be two). Requests a rollout worker cannot serve
-        get an engine of their own: those scored by a reward model (a rollout worker hosts no scorer), a
-        problem longer than the rollout engines take, or a worker that fails."""
+        started now (one engine start where there would be two). Entries scored by a reward model are
+        scored by the run's reward-model actors (started for them if no stage left them up). Requests a
+        rollout worker cannot serve get an engine of their own: a problem longer than the rollout engines
+        take, a reward-model entry in a recipe without `reward_model` (refused there), or a worker that
+        fails."""
         from zrl.evaluate import evaluate_requests
 
         requests = [r for _, r in pairs]
-        on_worker = not any(registry.get(r.environment.name).uses_reward_model for r in requests)
+        scored_by_model = any(registry.get(r.environment.name).uses_reward_model for r in requests)
+        if scored_by_model and self.recipe.reward_model is not None:
+            self._reward_models(True)  # the worker's environments score with the run's actors
+        on_worker = not scored_by_model or self._reward_pool is not None
         if on_worker and next_rl is not None and 0 not in self._carried:
             first_step = stage_bounds(self.recipe)[self.recipe.stages.index(next_rl)][0]
             self._carried[0] = start_rollout_worker(self._stage_context(next_rl, first_step, ranks=[]), next_rl, 0,
@@ -500,6 +504,7 @@ class Cascade:
         return checkpoint
 
     def close(self) -> None:
+        self._reward_models(False)
         if self.trainer_pool is not None:
             for rank in self.trainer_pool.actors:
                 rank.shutdown.remote()

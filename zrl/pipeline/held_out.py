@@ -47,7 +47,8 @@ def held_out_requests(stage) -> list[tuple[str, EvalRequest]]:
 
 def in_training_requests(stage: RLStage) -> list[tuple[str, EvalRequest]]:
     """The requests the rollout workers evaluate during the stage (none without `every_steps`). Entries
-    that score with a reward model are left to the stage-end evaluation: the workers host no scorer."""
+    that score with a reward model are left to the stage-end evaluation: they would take the reward-model
+    actors from the stage's verifiers."""
     if stage.evaluation.every_steps is None:
         return []
     from zrl.env import registry
