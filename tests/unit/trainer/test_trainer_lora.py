@@ -109,6 +109,13 @@ def test_checkpoint_holds_adapters_and_optimizer_state_not_the_base(stepped, sin
 
 
 def test_bfloat16_base_is_kept_in_bfloat16_with_fp32_adapters(tiny_checkpoint, single_rank):
+    """FSDP2 shards bf16 base and fp32 adapters in one unit (gathered in bf16, reduced in fp32)."""
     worker = TrainerWorker(single_rank, tiny_checkpoint, settings(param_dtype="bfloat16"))
     for name, param in worker.model.named_parameters():
         assert param.dtype == (torch.float32 if is_adapter(name) else torch.bfloat16), name
+    start = full(worker)
+    metrics = worker.train_step(worker.share_of(make_batch(load_hf_checkpoint(tiny_checkpoint))))
+    after = full(worker)
+    assert all(torch.equal(start[k], after[k]) for k in start if not is_adapter(k))
+    assert all(after[k].abs().sum() > 0 for k in start if k.endswith("lora_B"))  # every B moved off 0
+    assert metrics["grad/norm_adamw"] > 0 and metrics["grad/norm_muon"] == 0
