@@ -198,7 +198,8 @@ def goals(s: dict, kernel_tokens: tuple[int, int]) -> list[tuple[str, str, str, 
                      f">= {LM_HEAD_GOAL}x", _verdict(None if math.isnan(r) else r >= LM_HEAD_GOAL)))
     r = ratio("lm_logprobs", "fused", "transformers", "fwd+bwd", small)
     rows.append((f"LM head fused with the loss, fwd+bwd at {small}: fused ms / transformers (bf16) ms",
-                 _num(r, ".2f") + "x", f"<= {FUSED_HEAD_GOAL}x", _verdict(None if math.isnan(r) else r <= FUSED_HEAD_GOAL)))
+                 _num(r, ".2f") + "x", f"<= {FUSED_HEAD_GOAL}x",
+                 _verdict(None if math.isnan(r) else r <= FUSED_HEAD_GOAL)))
     for tokens in (small, large):
         shares = {impl: kernel_row(s, tokens, "experts", impl, "fwd") for impl in ("triton", "grouped_mm")}
         text = ", ".join(f"{impl} {_pct(r['share_gemm'] if r else math.nan)}" for impl, r in shares.items())

@@ -402,8 +402,8 @@ def _fused_head_loss(ctx: Ctx, hidden: torch.Tensor, weight: torch.Tensor,
     advantages = torch.randn(tokens, generator=ctx.gen).to(ctx.device)
     behaviour = (-torch.rand(tokens, generator=ctx.gen) * 8).to(ctx.device)
     mask = torch.ones(tokens, dtype=torch.bool, device=ctx.device)
-    weights = token_weights("seq_mean_token_sum_norm", mask, None, global_num_seqs=max(1, tokens // ctx.doc_len), global_num_tokens=tokens,
-                            max_response_tokens=ctx.doc_len)
+    weights = token_weights("seq_mean_token_sum_norm", mask, None, global_num_seqs=max(1, tokens // ctx.doc_len),
+                            global_num_tokens=tokens, max_response_tokens=ctx.doc_len)
 
     def token_grad(rows, logprob, entropy):
         loss, grad = policy_loss_grad("dppo_binary_tv", logprob, behaviour[rows], advantages[rows], mask[rows])

@@ -89,16 +89,20 @@ class FusedSplitProducts:
         self.native = hidden.dtype == weight.dtype and hidden.dtype in (torch.float16, torch.bfloat16)
         self.dtype, self.weight_shape, self.device = hidden.dtype, weight.shape, weight.device
         h_parts, w_parts = self._parts(hidden), self._parts(weight)  # [P_h, T, D], [P_w, V, D]
+        n_h = len(h_parts)
         if grad_weight_order is None:
             grad_weight_order = GRAD_WEIGHT_ORDER_FP32 if weight.dtype == torch.float32 else GRAD_WEIGHT_ORDER_16BIT
-        logit_pairs = _pairs(len(h_parts), len(w_parts), LOGIT_ORDER)
+        logit_pairs = _pairs(n_h, len(w_parts), LOGIT_ORDER)
         self.h_stacked = torch.cat([h_parts[i] for i, _ in logit_pairs], dim=1)  # [T, nD]
         self.w_stacked = torch.cat([w_parts[j] for _, j in logit_pairs], dim=1)  # [V, nD]
-        self.h_parts, self.w_parts = h_parts, w_parts
+        # hidden part i as a [T, D] view of the stacked copy (the split parts themselves are dropped)
+        d, first = hidden.shape[1], [[i for i, _ in logit_pairs].index(i) for i in range(n_h)]
+        self.h_parts = [self.h_stacked[:, k * d:(k + 1) * d] for k in first]
+        self.w_parts = w_parts
         n_g = 1 if self.native else 3
         # dW pairs (gradient part i, hidden part j), ordered by j then i so that the gradient parts dh
         # needs for the weight's first part come first
-        w_pairs = sorted(_pairs(n_g, len(h_parts), grad_weight_order), key=lambda p: (p[1], p[0])) if need_w else []
+        w_pairs = sorted(_pairs(n_g, n_h, grad_weight_order), key=lambda p: (p[1], p[0])) if need_w else []
         self.h_pairs = _pairs(n_g, len(w_parts), grad_hidden_order) if need_h else []  # (gradient part, weight part)
         sequence = [i for i, _ in w_pairs]
         self.dh_blocks: list[tuple[int, int, int]] = []  # (weight part j, first block, blocks) read by dh
@@ -171,7 +175,7 @@ class FusedSplitProducts:
     def add_grad_weight(self, grad_weight: torch.Tensor | None, parts: torch.Tensor, sl: slice) -> torch.Tensor:
         """grad_weight [V, D] fp32 (None: made by this chunk's GEMM) + one GEMM of K = n c."""
         k = len(self.dw_hidden)
-        hidden = torch.cat([self.h_parts[j, sl] for j in self.dw_hidden])  # [k c, D], a small copy
+        hidden = torch.cat([self.h_parts[j][sl] for j in self.dw_hidden])  # [k c, D], a small copy
         return _gemm(parts[:k].flatten(0, 1).t(), hidden, grad_weight)
 
 
