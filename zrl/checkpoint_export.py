@@ -7,7 +7,9 @@ recipe.resolved.yaml two directories up (zrl/run_dir.py), or from `model_path` w
 module is built on the meta device, the checkpoint's weights load into it in this process, without Ray or
 a process group (zrl.trainer.checkpoint.load_model_weights), and the stage's own writer exports it
 (zrl.trainer.export.export_hf_checkpoint: config.json, safetensors, the model directory's tokenizer
-files), in the run's `model.dtype` unless `dtype` is given.
+files), in the run's `model.dtype` unless `dtype` is given. A run with `model.lora` checkpoints only its
+adapters: the model is adapted as the trainer adapted it, its base read from the model directory, and the
+export has the adapters merged in (the base's layout).
 
 Invariants: nothing is written unless the checkpoint is complete and its model is found; `out` is new or
 empty. Every problem with the input is one line: an ExportError, or zrl.hub.ModelPathError for a model
@@ -39,6 +41,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, model_path: st
 
     from zrl.assets import is_checkpoint_dir
     from zrl.hub import local_checkpoint
+    from zrl.modeling.lora import adapter_parameters, apply_lora
     from zrl.models import family_of_checkpoint
     from zrl.trainer.checkpoint import load_model_weights, read_trainer_state
     from zrl.trainer.export import export_hf_checkpoint
@@ -61,7 +64,13 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, model_path: st
     family = family_of_checkpoint(model_dir)
     with torch.device("meta"):
         model = family.build(family.read_config(model_dir))
+        if spec.lora is not None:
+            apply_lora(model, spec.lora)
     model.to_empty(device="cpu")
+    if spec.lora is not None:  # the checkpoint holds the adapters; the frozen base is the model's own
+        missing = model.load_state_dict(family.load_state_dict(model_dir, dtype=torch.float32), strict=False)
+        if set(missing.missing_keys) - set(adapter_parameters(model)) or missing.unexpected_keys:
+            raise ExportError(f"{model_dir}: not the base of {checkpoint} ({missing})")
     try:
         load_model_weights(checkpoint, model)
     except CheckpointException as exc:  # another model's checkpoint: DCP names a key or shape that differs
@@ -83,7 +92,8 @@ def model_of(checkpoint: Path, model_path: str | None) -> tuple[ModelSpec, str]:
         raw = yaml.safe_load(resolved.read_text())
         recorded = ModelSpec.model_validate(raw["model"]) if isinstance(raw, dict) and "model" in raw else None
     if model_path is not None:
-        return ModelSpec(path=model_path, **({"dtype": recorded.dtype} if recorded else {})), "--model"
+        recorded_fields = {"dtype": recorded.dtype, "lora": recorded.lora} if recorded else {}
+        return ModelSpec(path=model_path, **recorded_fields), "--model"
     if recorded is None:
         raise ExportError(f"{checkpoint}: no run's {resolved.name} at {resolved} to name the model; give --model")
     return recorded, f"{resolved}: model.path"

@@ -1,12 +1,18 @@
 """TrainerWorker with `lora` on a 1-rank gloo group (in process): the base frozen in param_dtype and out of
 the optimizer, the adapters starting at B = 0, a step moving only them, the merged export and the PEFT
-directory agreeing, and a checkpoint holding the adapters and their optimizer state, not the base."""
+directory agreeing, a checkpoint holding the adapters and their optimizer state, not the base, and
+`zrl export` merging such a checkpoint into its base."""
+
+import shutil
 
 import pytest
 import torch
+import yaml
+from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
+from zrl.checkpoint_export import export_checkpoint
 from zrl.config.schema import Algorithm, DPPOBinaryTV, LoRASpec, MuonSpec, Optimizer
 from zrl.models import get_family
 from zrl.modeling.lora import apply_lora, is_adapter, load_peft_adapter, merged_state_dict
@@ -119,3 +125,16 @@ def test_bfloat16_base_is_kept_in_bfloat16_with_fp32_adapters(tiny_checkpoint, s
     assert all(torch.equal(start[k], after[k]) for k in start if not is_adapter(k))
     assert all(after[k].abs().sum() > 0 for k in start if k.endswith("lora_B"))  # every B moved off 0
     assert metrics["grad/norm_adamw"] > 0 and metrics["grad/norm_muon"] == 0
+
+
+def test_zrl_export_merges_a_lora_checkpoint_into_its_base(stepped, tiny_checkpoint, tmp_path):
+    """`zrl export` of a LoRA run's checkpoint (adapters only): the run's recipe says how the trainer adapted
+    the model, the base comes from the model path, the export is the merged model, as the trainer exports it."""
+    run = tmp_path / "run"
+    shutil.copytree(stepped["root"] / "ckpt", run / "checkpoints" / "step_1")
+    model = {"path": str(tiny_checkpoint), "dtype": "float32", "lora": LORA.model_dump()}
+    (run / "recipe.resolved.yaml").write_text(yaml.safe_dump({"model": model}))
+    out = export_checkpoint(run / "checkpoints" / "step_1", tmp_path / "hf")
+    exported = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert exported.keys() == stepped["after_export"].keys()
+    assert all(torch.equal(exported[k], v) for k, v in stepped["after_export"].items())

@@ -9,7 +9,10 @@ through the SwiGLU, so the base op cannot be called as a whole: each path below 
 path (reference.py's per-expert loop, grouped_mm.py's grouped GEMMs) with the adapter terms added to
 its two projections, and with B = 0 gives bitwise the base op's result on the same inputs. Which path
 runs follows `kernels.resolve("experts", x)` as the base op does, except that a forced "triton"
-backend runs the reference loop here (no adapted Triton kernel exists).
+backend runs the reference loop here (no adapted Triton kernel exists), and so does the library choice
+when the adapters' rows are not 16-byte multiples (r % 8 in bf16, r % 4 in fp32): there, with B = 0, the
+result equals the base's to rounding, not bitwise. The grouped path has run on torch's CPU kernel only
+(tests/unit/lora), not yet on a GPU.
 
 Gradients reach x, gate and the adapters; the frozen expert tensors get none when they do not require
 one (autograd skips their weight-gradient GEMMs).
