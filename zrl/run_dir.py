@@ -87,6 +87,10 @@ class RunDir:
     def stage_hf(self, name: str) -> Path:
         return self.stage(name) / "hf"
 
+    def stage_adapter(self, name: str) -> Path:
+        """A LoRA run's adapters as a PEFT adapter directory (the merged weights are `stage_hf`)."""
+        return self.stage(name) / "adapter"
+
     def stage_summary(self, name: str) -> Path:
         return self.stage(name) / "summary.png"
 

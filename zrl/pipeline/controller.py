@@ -2,7 +2,8 @@
 
 The trainer pool (one FSDP2 process group) lives for the whole cascade, so each stage starts from the
 previous stage's final policy in memory. At the end of every stage the policy is written as a Hugging
-Face checkpoint of the model's family (`<output_dir>/stages/<name>/hf`); the stage's `evaluation` (held-out accuracy of
+Face checkpoint of the model's family (`<output_dir>/stages/<name>/hf`; with `model.lora` the adapters merged,
+and the adapters alone as a PEFT directory, `stages/<name>/adapter`); the stage's `evaluation` (held-out accuracy of
 that export per entry) and `self_rollouts` files (its samples on an entry's training problems, the
 rollouts of a later stage's aggregation entries), both from one engine on the rollout pool's first
 bundle; a summary figure of the stage's metrics (`stages/<name>/summary.png`, zrl/plots.py) and, last,
@@ -185,7 +186,8 @@ def trainer_settings(recipe: Recipe, stage):
                                       activation_checkpointing_selective=recipe.resources.activation_checkpointing_selective,
                                       activation_offload=recipe.resources.activation_offload,
                                       hsdp_replicas=recipe.resources.hsdp_replicas,
-                                      onpolicy_mismatch_tokens=recipe.resources.trainer_onpolicy_mismatch_tokens)
+                                      onpolicy_mismatch_tokens=recipe.resources.trainer_onpolicy_mismatch_tokens,
+                                      lora=recipe.model.lora)
 
 
 class Cascade:
@@ -374,6 +376,10 @@ class Cascade:
         stage = self.recipe.stages[index]
         hf_dir = self.layout.stage_hf(stage.name)
         ray.get([r.export_hf.remote(str(hf_dir), self.recipe.model.dtype) for r in ranks])
+        adapter_dir = None
+        if self.recipe.model.lora is not None:  # the adapters alone as well, beside the merged export
+            adapter_dir = self.layout.stage_adapter(stage.name)
+            ray.get([r.export_adapter.remote(str(adapter_dir)) for r in ranks])
         rollouts = {r.entry: str(stage.self_rollouts_path(self.recipe.output_dir, r.entry)) for r in stage.self_rollouts}
         following = self.recipe.stages[index + 1] if index + 1 < len(self.recipe.stages) else None
         evaluation = self._evaluate_export(stage, hf_dir, rollouts, step, following if isinstance(following, RLStage) else None)
@@ -387,7 +393,8 @@ class Cascade:
                                          title=f"{self.recipe.name} / stage {stage.name}")
         curriculum = [] if self._curriculum is None else sorted(self._curriculum["curriculum"]["schedulers"])
         record = {"stage": stage.name, "index": index, "first_step": first_step, "last_step": last_step,
-                  "hf": str(hf_dir), "summary_png": None if summary is None else str(summary),
+                  "hf": str(hf_dir), "adapter": None if adapter_dir is None else str(adapter_dir),
+                  "summary_png": None if summary is None else str(summary),
                   "wall_s": elapsed_s, "evaluation": evaluation,
                   "self_rollouts": rollouts,
                   "inherited": self._inherited,

@@ -144,6 +144,9 @@ class TrainerRank:
     def export_hf(self, path: str, dtype: str) -> None:
         self.worker.export_hf(path, dtype=DTYPES[dtype])
 
+    def export_adapter(self, path: str) -> None:
+        self.worker.export_adapter(path)
+
     def shutdown(self) -> None:
         self.close_sync()
         if self.worker is not None:

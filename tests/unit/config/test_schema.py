@@ -205,6 +205,17 @@ def test_kernel_backend_reaches_the_trainer_settings():
     assert line.startswith("model.kernels: ") and "'auto', 'triton' or 'reference'" in line
 
 
+def test_lora_reaches_the_trainer_settings():
+    from zrl.pipeline.controller import trainer_settings
+
+    data = minimal()
+    assert trainer_settings(parse_recipe(data), parse_recipe(data).stages[0]).lora is None
+    apply_override(data, "model.lora={rank: 4, alpha: 8}")
+    recipe = parse_recipe(data)
+    lora = trainer_settings(recipe, recipe.stages[0]).lora
+    assert lora == recipe.model.lora and (lora.rank, lora.alpha) == (4, 8)
+
+
 def test_trainer_memory_settings_reach_the_trainer_settings():
     from zrl.pipeline.controller import trainer_settings
 
