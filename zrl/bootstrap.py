@@ -182,10 +182,10 @@ def setup(extras: str = "cpu,dev", dry_run: bool = False) -> bool:
     log(f"installing zrl and its pinned dependencies, {'GPU' if gpu else 'CPU'} stack (first time: a few GB, "
         "a few minutes)")
     step(pip + ["install", "--upgrade", "pip"], dry_run)
-    # pip compiles every installed module to bytecode, one file at a time (~60 of its ~110 s on 2 cores):
-    # compileall does the same on every core, after the install. Its exit status is not checked: a module
-    # that does not compile (func_timeout's Python 2 file, torch's Python 3.12 test helper) is skipped,
-    # as pip skips it.
+    # pip compiles every installed module to bytecode one file at a time (~55 of its ~107 s on the 2-core
+    # box); compileall does the same on every core after the install (~45 s there; set-up 118 -> 111 s,
+    # 2026-11-28). Its exit status is not checked: a module that does not compile (func_timeout's Python 2
+    # file, torch's Python 3.12 test helper) is skipped, as pip skips it.
     step(pip + ["install", "-e", f"{ROOT}[{extras}]", "--no-compile"], dry_run)
     step([py, "-m", "compileall", "-q", "-j", "0", str(site_packages(py))], dry_run, check=False,
          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
