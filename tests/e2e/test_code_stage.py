@@ -7,7 +7,7 @@ third party's plugin: one asynchronous RL stage checks both.
 - Plugins: the README's code block, packaged as a module plus a `.dist-info` directory on PYTHONPATH (what
   `pip install` of a package declaring the `zrl.environments` entry point leaves behind), is listed by
   `zrl envs` and used by name in the recipe; Ray actors (rollout workers, verifiers) find it through the
-  PYTHONPATH the driver forwards to them. Learning is tests/e2e/test_tiny_cascade_learns.py's subject.
+  PYTHONPATH the driver forwards to them. Learning is the main command's subject (tests/e2e/test_readme_commands.py).
 """
 
 import re
