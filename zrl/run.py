@@ -199,7 +199,10 @@ def connect_ray(address: str | None):
         log.info("ray: starting an embedded instance")
         # address="local": a new instance even when a `ray start` cluster runs on this machine (without it
         # ray.init joins that cluster, and refuses num_cpus there).
-        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
+        # No idle workers prestarted for the first driver: every actor of a run asks for its own runtime
+        # environment (env_vars), so a default worker started ahead would only cost a process start.
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
+                 _system_config={"prestart_worker_first_driver": False})
     return ray
 
 
