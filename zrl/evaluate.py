@@ -26,6 +26,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,38 @@ def evaluate(checkpoint: str | Path, environment: EnvironmentSpec, num_prompts: 
 def evaluate_requests(checkpoint: str | Path, requests: list[EvalRequest], seed: int = 0, dtype: str = "float32",
                       reward_model: RewardModelSpec | None = None) -> list[EvalResult]:
     """Every request through one engine (started once for all of them), in order."""
+    return evaluate_checkpoints([checkpoint], requests, seed, dtype, reward_model)[0]
+
+
+# config.json fields that differ between checkpoints of one model without changing what it computes.
+_CONFIG_NOTES = ("_name_or_path", "transformers_version")
+
+
+def same_model(checkpoints: Sequence[str | Path]) -> None:
+    """Raise ValueError (one line) unless every checkpoint has the first one's model configuration: one
+    engine, started on the first, serves them all by loading each one's weights in place."""
+    def config(path) -> dict:
+        data = json.loads((Path(path) / "config.json").read_text())
+        return {k: v for k, v in data.items() if k not in _CONFIG_NOTES}
+
+    first = config(checkpoints[0])
+    for other in checkpoints[1:]:
+        theirs = config(other)
+        differ = sorted(k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k))
+        if differ:
+            k = differ[0]
+            raise ValueError(f"checkpoints: {other} is not the model of {checkpoints[0]} (config.json {k!r}: "
+                             f"{theirs.get(k)!r} vs {first.get(k)!r}); evaluate them in separate commands")
+
+
+def evaluate_checkpoints(checkpoints: Sequence[str | Path], requests: list[EvalRequest], seed: int = 0,
+                         dtype: str = "float32", reward_model: RewardModelSpec | None = None) -> list[list[EvalResult]]:
+    """Per checkpoint (in order), the results of every request, all through one engine: started on the
+    first checkpoint, then loaded in place with each next one's weights (the pipeline's weight update; its
+    prefix cache is salted by the weights' version). The checkpoints must be one model (`same_model`): the
+    same prompts, tokenized once, go to each."""
+    same_model(checkpoints)
+    checkpoint = checkpoints[0]
     log.info("eval: %s on %s; loading vLLM and the tokenizer",
              ", ".join(f"{r.environment.name} ({r.split} split)" for r in requests), checkpoint)
     from transformers import AutoTokenizer
@@ -130,29 +163,38 @@ def evaluate_requests(checkpoint: str | Path, requests: list[EvalRequest], seed:
     started = time.perf_counter()
     engine = RolloutEngine(checkpoint, dtype=dtype, max_model_len=max_model_len, seed=seed)
     log.info("eval: engine ready in %.0f s", time.perf_counter() - started)
+    per_checkpoint = []
     try:
-        outputs = []
-        for env, batch, ids_, r in zip(envs, prompts, ids, requests):
-            log.info("eval: %s: generating %d prompt(s) x %d sample(s)", r.environment.name, len(batch),
-                     r.samples_per_prompt)
-            started = time.perf_counter()
-            sampling = SamplingConfig(max_tokens=r.max_response_tokens, temperature=r.temperature, seed=seed)
-            if isinstance(env, EpisodicEnvironment):
-                outputs.append(run_episodes(engine, env, batch, ids_, r.samples_per_prompt, sampling,
-                                            r.max_response_tokens))
-            else:
-                outputs.append(engine.generate(ids_, r.samples_per_prompt, sampling) if ids_ else [])
-            log.info("eval: %s: generated in %.0f s", r.environment.name, time.perf_counter() - started)
+        for version, path in enumerate(checkpoints):
+            if version:
+                update = engine.update_weights(path, version=version)
+                log.info("eval: %s loaded in place in %.1f s", path, update.seconds)
+            outputs = []
+            for env, batch, ids_, r in zip(envs, prompts, ids, requests):
+                log.info("eval: %s: generating %d prompt(s) x %d sample(s)", r.environment.name, len(batch),
+                         r.samples_per_prompt)
+                started = time.perf_counter()
+                sampling = SamplingConfig(max_tokens=r.max_response_tokens, temperature=r.temperature, seed=seed)
+                if isinstance(env, EpisodicEnvironment):
+                    outputs.append(run_episodes(engine, env, batch, ids_, r.samples_per_prompt, sampling,
+                                                r.max_response_tokens))
+                else:
+                    outputs.append(engine.generate(ids_, r.samples_per_prompt, sampling) if ids_ else [])
+                log.info("eval: %s: generated in %.0f s", r.environment.name, time.perf_counter() - started)
+            per_checkpoint.append((path, outputs))
     finally:
         engine.close()
-    results = [score(str(checkpoint), env, r, batch, out, n_skipped)
-               for env, r, batch, out, n_skipped in zip(envs, requests, prompts, outputs, skipped)]
-    for result in results:
-        k = result.samples_per_prompt
-        log.info("eval: %s: %d prompt(s) scored (%d skipped as too long): avg@%d %.3f, pass@1 %.3f, pass@%d %.3f",
-                 result.environment, result.num_prompts, result.skipped_long_prompts, k, result.avg_at_k,
-                 result.pass_at_1, k, result.pass_at_k)
-    return results
+    every = []
+    for path, outputs in per_checkpoint:
+        results = [score(str(path), env, r, batch, out, n_skipped)
+                   for env, r, batch, out, n_skipped in zip(envs, requests, prompts, outputs, skipped)]
+        for result in results:
+            k = result.samples_per_prompt
+            log.info("eval: %s: %s: %d prompt(s) scored (%d skipped as too long): avg@%d %.3f, pass@1 %.3f, "
+                     "pass@%d %.3f", path, result.environment, result.num_prompts, result.skipped_long_prompts, k,
+                     result.avg_at_k, result.pass_at_1, k, result.pass_at_k)
+        every.append(results)
+    return every
 
 
 def score(checkpoint: str, env, request: EvalRequest, prompts, outputs, skipped: int,

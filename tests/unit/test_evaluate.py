@@ -1,6 +1,7 @@
 """Held-out evaluation of several entries through one engine (`evaluate_requests`): prompts longer than
 a request's limit are skipped and counted, rollouts files are written, and an entry with nothing left
-to evaluate has no accuracy. The engine is a stand-in that answers every prompt with a demonstration
+to evaluate has no accuracy. Several checkpoints of one model share the engine too (`evaluate_checkpoints`),
+and checkpoints of different models are refused. The engine is a stand-in that answers every prompt with a demonstration
 (or nothing), so every number below is known. pass@k (the Codex paper's estimator) and avg@k by hand."""
 
 import json
@@ -14,7 +15,7 @@ from environments.strings import StringTask
 from zrl.assets import build_tiny_model
 from zrl.config.schema import EnvironmentSpec
 from zrl.env import Environment
-from zrl.evaluate import EvalRequest, evaluate_requests, pass_at_k, score
+from zrl.evaluate import EvalRequest, evaluate_checkpoints, evaluate_requests, pass_at_k, score
 from zrl.types import Message, Prompt
 
 
@@ -22,6 +23,7 @@ class AnsweringEngine:
     """Answers prompt i's samples with the right demonstration for even i, an empty answer for odd i."""
 
     started: list[dict] = []
+    loaded: list[tuple[str, int]] = []  # update_weights calls
 
     def __init__(self, checkpoint, dtype, max_model_len, seed):
         AnsweringEngine.started.append({"max_model_len": max_model_len})
@@ -35,6 +37,10 @@ class AnsweringEngine:
                                                  np.zeros((len(ids) + 3, 1), np.uint8), "stop", (), text)
             out.append([sample] * num_samples)
         return out
+
+    def update_weights(self, path, version):
+        AnsweringEngine.loaded.append((str(path), version))
+        return serving.engine.WeightUpdateStats(version=version, seconds=0.0, num_bytes=0)
 
     def close(self):
         pass
@@ -68,6 +74,38 @@ def test_entries_share_one_engine_long_prompts_are_skipped_and_rollouts_written(
     rows = [json.loads(line) for line in rollouts.read_text().splitlines()]
     assert [r["rewards"] for r in rows] == [[1.0, 1.0]] * 3 and rows[0]["prompt"]["data_source"] == "strings:copy"
     assert too_long.num_prompts == 0 and too_long.skipped_long_prompts == 2 and math.isnan(too_long.accuracy)
+
+
+def test_checkpoints_of_one_model_share_one_engine_and_other_models_are_refused(model_path, tmp_path, monkeypatch):
+    """The engine starts on the first checkpoint; each next one is loaded in place under the next version
+    and gets the same prompts; each result names its checkpoint. A checkpoint of another configuration is
+    refused before any engine starts, naming the first field that differs."""
+    env, spec = StringTask(), EnvironmentSpec(name="strings")
+    prompts = env.sample(2, seed=0, split="eval")
+    answers = [env.demonstration(p) for p in prompts] + ["", env.demonstration(prompts[1])]
+
+    def engine(*args, **kwargs):
+        e = AnsweringEngine(*args, **kwargs)
+        e.answers = answers
+        return e
+    AnsweringEngine.started.clear()
+    AnsweringEngine.loaded.clear()
+    monkeypatch.setattr(serving.engine, "RolloutEngine", engine)
+    second = tmp_path / "second"
+    second.mkdir()
+    config = json.loads((model_path / "config.json").read_text())
+    (second / "config.json").write_text(json.dumps(dict(config, _name_or_path="elsewhere")))  # a note, not the model
+    [[first_result], [second_result]] = evaluate_checkpoints([model_path, second], [EvalRequest(spec, num_prompts=2)])
+    assert len(AnsweringEngine.started) == 1 and AnsweringEngine.loaded == [(str(second), 1)]
+    assert (first_result.checkpoint, first_result.accuracy) == (str(model_path), 1.0)
+    assert (second_result.checkpoint, second_result.accuracy) == (str(second), 0.5)
+
+    (second / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=config["num_hidden_layers"] + 1)))
+    AnsweringEngine.started.clear()
+    with pytest.raises(ValueError, match=r"checkpoints: .*second is not the model of .* \(config.json "
+                                         r"'num_hidden_layers'.*evaluate them in separate commands"):
+        evaluate_checkpoints([model_path, second], [EvalRequest(spec, num_prompts=2)])
+    assert AnsweringEngine.started == []
 
 
 def test_pass_at_k_is_the_unbiased_estimator_of_the_codex_paper():
