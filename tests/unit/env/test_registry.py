@@ -83,11 +83,22 @@ def test_a_broken_entry_point_is_skipped_with_a_warning_and_the_others_stay(tmp_
         assert reg.names() == ["good"]
     warnings = sorted(r.getMessage() for r in caplog.records)
     assert len(warnings) == 2
-    assert warnings[0].startswith("skipping environment 'broken' (entry point of mixed-envs): ")
+    assert warnings[0].startswith("skipping environment 'broken': environment 'broken' (entry point of mixed-envs) "
+                                  "cannot be loaded: ")
     assert "raised RuntimeError: half-installed" in warnings[0]
-    assert warnings[1].startswith("skipping environment 'missing' (entry point of mixed-envs): ")
+    assert warnings[1].startswith("skipping environment 'missing': environment 'missing' (entry point of "
+                                  "mixed-envs) cannot be loaded: ")
     assert "has no attribute 'Nope'" in warnings[1]
     with pytest.raises(UnknownEnvironmentError, match="unknown environment 'broken'; valid names: good"):
+        reg.get("broken")
+    sys.modules.pop("good_env", None)
+
+    # Looked up by name, an entry point imports its own module only, and a broken one says why.
+    reg = Registry(group="zrl.test.broken")
+    assert reg.get("good").reward_type == "binary"
+    assert "good_env" in sys.modules and "broken_env" not in sys.modules
+    with pytest.raises(UnknownEnvironmentError, match="environment 'broken' .entry point of mixed-envs. cannot be "
+                                                      "loaded: .*raised RuntimeError: half-installed"):
         reg.get("broken")
     sys.modules.pop("good_env", None)
 
