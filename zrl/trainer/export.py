@@ -10,7 +10,7 @@ send weights simply drop what they gathered.
 
 A model with LoRA adapters (zrl.modeling.lora) exports its base's names, shapes and dtypes: each adapted
 tensor is merged (W + scale B A, fp32) right after it and its adapters are gathered; `export_peft_adapter`
-writes the adapters alone as a PEFT directory.
+writes the adapters alone as a PEFT directory, `adapter_tensors` returns them (an adapter-only sync).
 
 Names are the Hugging Face checkpoint keys the rollout engine's loader reads, from the model family's
 `hf_tensors` (zrl/models: MoE++ prefixes `model.`; Qwen3-MoE also splits a fused expert tensor into
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from zrl.config.schema import Asynchrony
@@ -75,6 +76,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t.detach()
 
 
+def _resharded(model: nn.Module) -> nn.Module:
+    """`model` with every FSDP2 unit in its sharded state. A forward without backward (the trainer's no-grad
+    scoring) leaves the root unit unsharded, its parameters then being views of an all-gather buffer that
+    FSDP2 has freed: exported from there they have zero-byte storage (measured: a segfault in the engine's
+    in-place load of a 1-rank trainer's export after a no-grad forward). Local, not collective."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
 def _export_dtype(tensor: torch.Tensor, is_param: bool, dtype: torch.dtype | None) -> torch.dtype:
     """Parameters are cast to `dtype`; buffers (the fp32 balancing biases) keep theirs."""
     return dtype if is_param and dtype is not None and tensor.is_floating_point() else tensor.dtype
@@ -97,7 +109,7 @@ def _iter_gathered(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tupl
     """(state-dict name, full tensor in its export dtype) one at a time; collective (each sharded
     parameter is all-gathered when its turn comes). Adapters are merged into their base tensors in fp32
     first (zrl.modeling.lora.merged_tensors: the tensor and its adapters gathered, one at a time)."""
-    for name, full, is_param in merged_tensors(model, full=_full):
+    for name, full, is_param in merged_tensors(_resharded(model), full=_full):
         yield name, full.to(_export_dtype(full, is_param, dtype))
 
 
@@ -127,9 +139,15 @@ def iter_weight_buckets(model: nn.Module, *, version: int, dtype: torch.dtype | 
     yield WeightBucket(version=version, index=index, tensors=tuple(pending), last=True)
 
 
+def adapter_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
+    """(PEFT key -> full fp32 CPU tensor, adapter_config.json content) of the adapters: what an adapter-only
+    weight sync sends (serving/lora_sync.py); collective (gathered module by module), every rank gets them."""
+    return peft_adapter(_resharded(model), full=_full)
+
+
 def export_peft_adapter(model: nn.Module, path: str | Path, *, version: int, base_model: str | None) -> None:
     """Collective: the adapters gathered module by module, rank 0 writes them as a PEFT adapter directory."""
-    tensors, config = peft_adapter(model, base_model=base_model, full=_full)
+    tensors, config = peft_adapter(_resharded(model), base_model=base_model, full=_full)
     if not dist.is_initialized() or dist.get_rank() == 0:
         write_peft_adapter(tensors, config, path)
         logger.info("exported the adapters of policy version %d to %s", version, path)
