@@ -13,12 +13,18 @@ Per row, over the sampled tokens: KL(q || p) by the k3 estimator (mean), the Pea
 probabilities, max |p - q| (zrl.canaries.mismatch, the trainer's `mismatch/*` metrics), max |log p -
 log q|, and the share of replayed expert choices the trainer's own routers would not make.
 
+With `--lora`, each (family, precision) gets two more rows: the trainer adapted by `lora_spec` (adapters on
+the attention projections and every expert, B drawn non-zero, `randomize_adapters`) computing W x + s B A x
+unmerged, and the engine serving what the merged weight sync sends (`load_merged`: the trainer's
+`iter_full_tensors`, W + s B A tensor by tensor, loaded in place): replay with LoRA must agree as well as
+without.
+
 The tiny models are random (hidden 64): the numbers say whether the two sides compute the same thing in
 each precision, not what a trained model gives; the report's KL 1.3e-4 / r > 0.9996 is for its 8B model
 on GPUs, which needs a GPU run of this script.
 
 Run: .venv/bin/python bench/engine_trainer_agreement.py [--prompts 8] [--samples 4] [--max-tokens 48]
-     [--families zaya qwen3_moe] [--dtypes bfloat16 float32]
+     [--families zaya qwen3_moe] [--dtypes bfloat16 float32] [--lora]
 """
 
 from __future__ import annotations
@@ -93,17 +99,48 @@ def engine_rollouts(engine, prompts: list[list[int]], num_samples: int, max_toke
     return [_to_rollout(s) for g in groups for s in g if len(s.token_ids) > 0]
 
 
-def start_trainer(checkpoint: Path, param_dtype: str):
-    """A 1-rank TrainerWorker computing in `param_dtype` (joins the process group vLLM created, or makes one)."""
+def lora_spec():
+    """The adapters of the LoRA rows: attention and every expert (per expert), rank 8."""
+    from zrl.config.lora import LoRASpec, LoRATargets
+
+    return LoRASpec(rank=8, alpha=16.0, targets=LoRATargets(attention=True, experts="per_expert"))
+
+
+def start_trainer(checkpoint: Path, param_dtype: str, lora=None):
+    """A 1-rank TrainerWorker computing in `param_dtype` (joins the process group vLLM created, or makes one);
+    `lora`: a LoRASpec, the trainer then adapts its model (B = 0 until `randomize_adapters`)."""
     from zrl.trainer import Rendezvous, TrainerSettings, TrainerWorker
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     rendezvous = Rendezvous("127.0.0.1", port, rank=0, world_size=1, backend="gloo", timeout_s=60)
-    worker = TrainerWorker(rendezvous, checkpoint, TrainerSettings(param_dtype=param_dtype))
+    worker = TrainerWorker(rendezvous, checkpoint, TrainerSettings(param_dtype=param_dtype, lora=lora))
     worker.model.eval()
     return worker
+
+
+def randomize_adapters(worker, seed: int, std: float = 0.05) -> None:
+    """Every adapter B drawn N(0, std^2) (A keeps its PEFT initialisation): the adapted policy differs from
+    its base. The trainer is one rank, so each parameter's local shard is the whole tensor."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in worker.model.named_parameters():
+            if name.endswith("lora_B"):
+                local = param.to_local() if isinstance(param, DTensor) else param
+                local.copy_(torch.randn(local.shape, generator=generator, dtype=torch.float32) * std)
+
+
+def load_merged(engine, worker, dtype: str, version: int):
+    """The merged weight sync's payload (adapters merged into their base tensors, tensor by tensor) loaded in
+    place into `engine`; returns the engine's WeightUpdateStats."""
+    from zrl.trainer.export import iter_full_tensors
+    from zrl.trainer.settings import DTYPES
+
+    return engine.update_weights(dict(iter_full_tensors(worker.model, DTYPES[dtype])), version=version)
 
 
 @dataclass(frozen=True)
@@ -143,7 +180,7 @@ def measure(engine, worker, prompts: list[list[int]], num_samples: int, max_toke
     return [trainer_agreement(worker, rollouts, replay) for replay in (True, False)]
 
 
-def format_row(family: str, dtype: str, a: Agreement) -> str:
+def format_row(family: str, dtype: str, a: Agreement) -> str:  # family "zaya+lora": the LoRA rows
     s = a.stats
     disagree = "-" if a.replay_disagree_fraction is None else f"{a.replay_disagree_fraction:.2%}"
     name = DTYPE_NAMES[dtype]
@@ -173,6 +210,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="G samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora", action="store_true", help="also the LoRA rows (merged weight sync)")
     args = parser.parse_args()
     _set_environment()
 
@@ -206,6 +244,14 @@ def main() -> None:
                         rows.append(format_row(family, dtype, agreement))
                         print(rows[-1], flush=True)
                     worker.shutdown()
+                    if args.lora:
+                        worker = start_trainer(checkpoint, dtype, lora=lora_spec())
+                        randomize_adapters(worker, args.seed)
+                        load_merged(engine, worker, dtype, version=1)
+                        for agreement in measure(engine, worker, prompts, args.samples, args.max_tokens, args.seed):
+                            rows.append(format_row(f"{family}+lora", dtype, agreement))
+                            print(rows[-1], flush=True)
+                        worker.shutdown()
         finally:
             for engine in reversed(engines):
                 engine.close()
