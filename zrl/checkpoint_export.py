@@ -7,9 +7,10 @@ recipe.resolved.yaml two directories up (zrl/run_dir.py), or from `model_path` w
 module is built on the meta device, the checkpoint's weights load into it in this process, without Ray or
 a process group (zrl.trainer.checkpoint.load_model_weights), and the stage's own writer exports it
 (zrl.trainer.export.export_hf_checkpoint: config.json, safetensors, the model directory's tokenizer
-files), in the run's `model.dtype` unless `dtype` is given. A run with `model.lora` checkpoints only its
-adapters: the model is adapted as the trainer adapted it, its base read from the model directory, and the
-export has the adapters merged in (the base's layout).
+files), in the run's `model.dtype` unless `dtype` is given. A stage that trains `model.lora`'s adapters
+checkpoints only them: the model is adapted as the trainer adapted it, its base read from the model
+directory (or, after a stage that trained every weight, from that stage's export), and the export has the
+adapters merged in (the base's layout).
 
 Invariants: nothing is written unless the checkpoint is complete and its model is found; `out` is new or
 empty. Every problem with the input is one line: an ExportError, or zrl.hub.ModelPathError for a model
@@ -23,7 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from zrl.config.schema import ModelSpec
+from zrl.config import RecipeError, load_recipe
+from zrl.config.schema import ModelSpec, Recipe
 from zrl.run_dir import RunDir
 
 log = logging.getLogger("zrl")
@@ -58,7 +60,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, model_path: st
         raise ExportError(f"{checkpoint}: no .metadata, not a torch.distributed.checkpoint directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out}: exists and is not an empty directory")
-    spec, field = model_of(checkpoint, model_path)
+    spec, field = model_of(checkpoint, model_path, step)
     model_dir = local_checkpoint(field, spec.path, spec.revision, is_checkpoint_dir,
                                  "model checkpoint directory (config.json and *.safetensors)")
     family = family_of_checkpoint(model_dir)
@@ -83,17 +85,40 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, model_path: st
     return out
 
 
-def model_of(checkpoint: Path, model_path: str | None) -> tuple[ModelSpec, str]:
-    """The model the checkpoint's run started from and the field that names it (for messages): `model_path`,
-    else `model` of the run's recipe.resolved.yaml (`<run>/checkpoints/step_N`: two directories up)."""
-    resolved = RunDir(checkpoint.resolve().parent.parent).resolved_recipe
-    recorded = None
+def model_of(checkpoint: Path, model_path: str | None, step: int | None = None) -> tuple[ModelSpec, str]:
+    """The model the checkpoint's trainer was built on and the field that names it (for messages): `model_path`,
+    else `model` of the run's recipe.resolved.yaml (`<run>/checkpoints/step_N`: two directories up), as the
+    stage holding trainer step `step` trained it (`_as_trained_in_stage`)."""
+    run = RunDir(checkpoint.resolve().parent.parent)
+    resolved = run.resolved_recipe
+    recorded, field = None, f"{resolved}: model.path"
     if resolved.is_file():
         raw = yaml.safe_load(resolved.read_text())
         recorded = ModelSpec.model_validate(raw["model"]) if isinstance(raw, dict) and "model" in raw else None
+        if recorded is not None and step is not None and raw.get("stages"):
+            try:
+                recipe = load_recipe(resolved)
+            except RecipeError as exc:
+                raise ExportError(f"{resolved}: {exc.lines[0]}") from None
+            recorded, field = _as_trained_in_stage(recipe, recorded, field, run, step)
     if model_path is not None:
         recorded_fields = {"dtype": recorded.dtype, "lora": recorded.lora} if recorded else {}
         return ModelSpec(path=model_path, **recorded_fields), "--model"
     if recorded is None:
         raise ExportError(f"{checkpoint}: no run's {resolved.name} at {resolved} to name the model; give --model")
-    return recorded, f"{resolved}: model.path"
+    return recorded, field
+
+
+def _as_trained_in_stage(recipe: Recipe, spec: ModelSpec, field: str, run: RunDir, step: int) -> tuple[ModelSpec, str]:
+    """`spec` as the stage that trains step `step` used it: adapters or not (the stage's `lora`), and its base,
+    which after a switch between full fine-tuning and adapters is the export of the stage before the switch
+    (Recipe.trainer_base), `<run>/stages/<name>/hf`."""
+    index = recipe.stage_of_step(step)
+    if index is None:
+        return spec, field
+    spec = spec.model_copy(update={"lora": recipe.stage_lora(index)})
+    base = recipe.trainer_base(index)
+    if base is None:
+        return spec, field
+    return (spec.model_copy(update={"path": str(run.stage_hf(base))}),
+            f"the export of stage {base!r}, the base of stage {recipe.stages[index].name!r}")

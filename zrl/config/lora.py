@@ -36,6 +36,10 @@ class LoRASpec(Strict):
     alpha: float = Field(32.0, gt=0, description="the update is scaled by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on an adapter's input (training only)")
     targets: LoRATargets = LoRATargets()
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="what steps the adapters: AdamW (the stage's optimizer.adamw, its lr defaulting to "
+                             "optimizer.muon.lr) or Muon on each adapter matrix (the stage's optimizer.muon); the "
+                             "default is the measured better on the tiny recipe (zrl/trainer/worker.py)")
 
     @model_validator(mode="after")
     def _something_to_adapt(self):

@@ -415,6 +415,11 @@ class StageBase(Strict):
     inherit: Inherit = Inherit()
     evaluation: Evaluation = Evaluation()
     self_rollouts: list[SelfRollouts] = Field(default_factory=list)
+    lora: bool | None = Field(
+        None, description="true: this stage trains model.lora's adapters on a frozen base; false: every weight; "
+                          "null: adapters when model.lora is set. Where this changes from one stage to the next, the "
+                          "trainer restarts from the previous stage's export (the usual LoRA RL: a fully fine-tuned "
+                          "SFT warm start, then adapters on its export)")
 
     def entry_keys(self) -> list[str]:
         return [e.key or e.name for e in self.environments]
@@ -543,10 +548,47 @@ class Recipe(Strict):
                 spec.options = _with_output_dir(spec.options, self.output_dir)
         return self
 
+    @model_validator(mode="after")
+    def _lora_per_stage(self):
+        for i, stage in enumerate(self.stages):
+            if stage.lora and self.model.lora is None:
+                raise ValueError(f"stages[{i}].lora: true needs model.lora (the adapters' rank, alpha and targets)")
+            before, now = (self.stage_lora(i - 1), self.stage_lora(i)) if i else (None, None)
+            if stage.inherit.optimizer_state and before != now:
+                raise ValueError(f"stages[{i}].inherit.optimizer_state: stage {self.stages[i - 1].name!r} trains "
+                                 f"{_trained(before)} and {stage.name!r} {_trained(now)}, so there is no optimizer "
+                                 "state to carry over; set it to false")
+        return self
+
+    def stage_of_step(self, step: int) -> int | None:
+        """The index of the stage that trains trainer step `step` (steps 1.., stage after stage), or None."""
+        last = 0
+        for index, stage in enumerate(self.stages):
+            last += stage.steps
+            if 0 < step <= last:
+                return index
+        return None
+
+    def stage_lora(self, index: int) -> LoRASpec | None:
+        """The adapters stage `index` trains (model.lora), or None when it trains every weight."""
+        return self.model.lora if self.stages[index].lora is not False else None
+
+    def trainer_base(self, index: int) -> str | None:
+        """The stage whose export the trainer of stage `index` is built on, None for `model.path`: the stage
+        before the first of the consecutive stages that train as `index` does (full or adapters), if any."""
+        start = index
+        while start > 0 and self.stage_lora(start - 1) == self.stage_lora(index):
+            start -= 1
+        return self.stages[start - 1].name if start > 0 else None
+
     def produced_files(self) -> dict[str, str]:
         """Files the run writes for its own later stages: path -> the stage that writes it."""
         return {str(stage.self_rollouts_path(self.output_dir, r.entry)): stage.name
                 for stage in self.stages for r in stage.self_rollouts}
+
+
+def _trained(lora: LoRASpec | None) -> str:
+    return "every weight" if lora is None else "adapters"
 
 
 def _with_output_dir(value, output_dir: str):

@@ -1,18 +1,21 @@
 """The cascade controller: reserves the pools, starts the trainer ranks once, runs the stages in order.
 
-The trainer pool (one FSDP2 process group) lives for the whole cascade, so each stage starts from the
-previous stage's final policy in memory. At the end of every stage the policy is written as a Hugging
-Face checkpoint of the model's family (`<output_dir>/stages/<name>/hf`; with `model.lora` the adapters merged,
-and the adapters alone as a PEFT directory, `stages/<name>/adapter`); the stage's `evaluation` (held-out accuracy of
-that export per entry) and `self_rollouts` files (its samples on an entry's training problems, the
-rollouts of a later stage's aggregation entries), both from one engine on the rollout pool's first
-bundle; a summary figure of the stage's metrics (`stages/<name>/summary.png`, zrl/plots.py) and, last,
-the stage record `stages/<name>/stage.json`: bounds, wall time, evaluation, what the stage took from the
-previous one (`inherited`: the length-reward frontier's sources, the curriculum keys taken over) and
-what it hands on (`handoff`). With `evaluation.every_steps` the export's held-out accuracy is also logged
-at the stage's last step (before the plot), the end of the curve the RL stage logged during training
-(zrl/pipeline/held_out.py). After the last stage, `cascade_report.html` (zrl/cascade_report.py). Every path of
-the run directory is named in zrl/run_dir.py.
+The trainer pool (one FSDP2 process group) lives for the whole cascade, so each stage starts from the previous
+stage's final policy in memory; where a stage switches between full fine-tuning and `model.lora`'s adapters
+(the stage's `lora`), the ranks rebuild their model on the previous stage's export instead (a LoRA stage's
+base is that export, `Recipe.trainer_base`; a resume into such a stage starts there too). At the end of every
+stage the policy is written as a Hugging Face checkpoint of the model's family
+(`<output_dir>/stages/<name>/hf`; in a stage that trains adapters, with them merged, and the adapters alone as
+a PEFT directory, `stages/<name>/adapter`); the stage's `evaluation` (held-out accuracy of that export per
+entry) and `self_rollouts` files (its samples on an entry's training problems, the rollouts of a later stage's
+aggregation entries), both from one engine on the rollout pool's first bundle; a summary figure of the stage's
+metrics (`stages/<name>/summary.png`, zrl/plots.py) and, last, the stage record `stages/<name>/stage.json`:
+bounds, wall time, evaluation, what the stage took from the previous one (`inherited`: the length-reward
+frontier's sources, the curriculum keys taken over) and what it hands on (`handoff`). With
+`evaluation.every_steps` the export's held-out accuracy is also logged at the stage's last step (before the
+plot), the end of the curve the RL stage logged during training (zrl/pipeline/held_out.py). After the last
+stage, `cascade_report.html` (zrl/cascade_report.py). Every path of the run directory is named in
+zrl/run_dir.py.
 Rollout workers outlive their stage: the workers of an RL stage that never died are kept with their
 engines (sized for the recipe's longest RL stage), worker 0 evaluates the stage's export, and the next
 RL stage takes them over (`RolloutWorker.begin_stage`: its own prompt stream and seeds, the same
@@ -187,7 +190,7 @@ def trainer_settings(recipe: Recipe, stage):
                                       activation_offload=recipe.resources.activation_offload,
                                       hsdp_replicas=recipe.resources.hsdp_replicas,
                                       onpolicy_mismatch_tokens=recipe.resources.trainer_onpolicy_mismatch_tokens,
-                                      lora=recipe.model.lora)
+                                      lora=recipe.stage_lora(recipe.stages.index(stage)))
 
 
 class Cascade:
@@ -219,7 +222,7 @@ class Cascade:
                 rewind_run_dir(self.run_dir, point.step)
             self.metrics = self._open_metrics()
             self.rollout_pool, self.trainer_pool = reserve_pools(self.recipe.resources)
-            ranks = self._start_trainers(stages[first])
+            ranks = self._start_trainers(first)
             step, data_state = bounds[first][0], None
             if point is not None:
                 data_state = self._load_checkpoint(ranks, point)
@@ -228,7 +231,9 @@ class Cascade:
                     self._frontier, self._curriculum = data_state["buffer"]["frontier"], data_state.get("curriculum")
             for index in range(first, len(stages)):
                 stage, (first_step, last_step) = stages[index], bounds[index]
-                if index > first:
+                if index > first and self.recipe.stage_lora(index) != self.recipe.stage_lora(index - 1):
+                    self._rebase_trainers(ranks, index)
+                elif index > first:
                     ray.get([r.set_settings.remote(trainer_settings(self.recipe, stage),
                                                    stage.inherit.optimizer_state) for r in ranks])
                 started, self._inherited = time.perf_counter(), None
@@ -281,18 +286,33 @@ class Cascade:
         return MetricsLogger(self.run_dir, self.recipe.metrics, self.recipe.name, self.recipe.model_dump(mode="json"),
                              wandb_run_id=run_id)
 
-    def _start_trainers(self, first_stage) -> list:
+    def _trainer_path(self, index: int) -> str:
+        """The checkpoint the trainer of stage `index` is built on: model.path, or the export of the stage
+        before a switch between full fine-tuning and adapters (Recipe.trainer_base)."""
+        base = self.recipe.trainer_base(index)
+        return self.model_path if base is None else str(self.layout.stage_hf(base))
+
+    def _start_trainers(self, index: int) -> list:
         pool = self.trainer_pool
         ranks = [ray.remote(TrainerRank).options(**pool.options(i)).remote() for i in range(pool.size)]
         pool.actors = ranks
         from zrl.trainer import Rendezvous
 
         addr, port = ray.get(ranks[0].address.remote("127.0.0.1" if pool.one_machine else None))
-        settings = trainer_settings(self.recipe, first_stage)
-        ray.get([r.start.remote(Rendezvous(addr, port, i, pool.size), self.model_path, settings)
+        settings = trainer_settings(self.recipe, self.recipe.stages[index])
+        ray.get([r.start.remote(Rendezvous(addr, port, i, pool.size), self._trainer_path(index), settings)
                  for i, r in enumerate(ranks)])
         log.info("trainer pool: %d FSDP2 rank(s) joined at %s:%d", pool.size, addr, port)
         return ranks
+
+    def _rebase_trainers(self, ranks: list, index: int) -> None:
+        """Stage `index` trains adapters where the previous stage trained every weight, or the reverse: every
+        rank rebuilds its model on the previous stage's export (the same process group, the step count
+        continues; no optimizer state carries over)."""
+        path, stage = self._trainer_path(index), self.recipe.stages[index]
+        ray.get([r.rebase.remote(path, trainer_settings(self.recipe, stage)) for r in ranks])
+        log.info("stage %r trains %s: the trainer ranks rebuilt their model on %s", stage.name,
+                 "every weight" if self.recipe.stage_lora(index) is None else "adapters on a frozen base", path)
 
     def _load_checkpoint(self, ranks: list, point: ResumePoint) -> dict:
         data_state = ray.get([r.load_checkpoint.remote(str(point.path)) for r in ranks])[0]
@@ -377,7 +397,7 @@ class Cascade:
         hf_dir = self.layout.stage_hf(stage.name)
         ray.get([r.export_hf.remote(str(hf_dir), self.recipe.model.dtype) for r in ranks])
         adapter_dir = None
-        if self.recipe.model.lora is not None:  # the adapters alone as well, beside the merged export
+        if self.recipe.stage_lora(index) is not None:  # the adapters alone as well, beside the merged export
             adapter_dir = self.layout.stage_adapter(stage.name)
             ray.get([r.export_adapter.remote(str(adapter_dir)) for r in ranks])
         rollouts = {r.entry: str(stage.self_rollouts_path(self.recipe.output_dir, r.entry)) for r in stage.self_rollouts}

@@ -63,6 +63,12 @@ class TrainerRank:
     def set_settings(self, settings, keep_optimizer_state: bool) -> None:
         self.worker.start_stage(settings, keep_optimizer_state=keep_optimizer_state)
 
+    def rebase(self, model_path: str | Path, settings) -> int:
+        """A stage that switches between full fine-tuning and adapters: the worker is rebuilt on `model_path`."""
+        old, self.worker = self.worker, None
+        self.worker = old.rebased(model_path, settings)
+        return self.worker.version
+
     def train_step(self, share: RankShare) -> dict[str, float]:
         return self.worker.train_step(share)
 

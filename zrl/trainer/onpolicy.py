@@ -59,9 +59,11 @@ from zrl.types import Rollout
 
 
 def _local_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """This rank's part of everything a weight sync sends: local parameter shards (views of FSDP2's
-    sharded storage, written in place) and the replicated buffers."""
-    return [t.to_local() if isinstance(t, DTensor) else t for _, t, _ in weight_tensors(model)]
+    """This rank's part of everything a weight sync sends that training changes: local shards of the trained
+    parameters (views of FSDP2's sharded storage, written in place) and the replicated buffers. A frozen
+    parameter (the base under LoRA, zrl.modeling.lora) is the same in every version: it is not copied."""
+    return [t.to_local() if isinstance(t, DTensor) else t for _, t, is_param in weight_tensors(model)
+            if t.requires_grad or not is_param]
 
 
 class SyncedShards:

@@ -149,8 +149,18 @@ class TrainerWorker:
         s = self.settings
         groups = self.family.optimizer_param_groups(self.model)  # trainable parameters only
         # Under LoRA only the adapters train, all of them AdamW's (zrl.modeling.params: they are no Linear
-        # weight); a group without parameters is left out (a checkpoint would not record its tag).
-        names = ("hidden_matrices", "embed_norm_conv") if s.lora is None else ("hidden_matrices", "adapters")
+        # weight) unless model.lora.optimizer is muon; a group without parameters is left out (a checkpoint
+        # would not record its tag). AdamW is the default, measured on recipes/tiny-lora-cpu.yaml (2026-11-28,
+        # CPU, seeds 0-2, the same warm start 0.325/0.849/0.664 and 30 RL steps at the recipe's lr 5e-4;
+        # bench/results/lora-recipe-seeds-cpu-2026-11-28.md): held-out accuracy AdamW 0.486/0.861/0.730 (+0.080
+        # mean), Muon 0.404/0.856/0.704 (+0.042), higher with AdamW on 3 of 3 seeds. Muon's step is RMS 0.2 lr
+        # per element, AdamW's early steps about lr: Muon at 5x the lr (2.5e-3) reached 0.484 on seed 0 (only
+        # that seed ran), so Muon needs its own lr where AdamW keeps the full-fine-tuning one. Muon keeps no
+        # optimizer state: 4.2 vs 6.5 trainer bytes per base parameter on the bf16 tiny MoE++ at rank 16
+        # (bench/results/lora-memory-cpu-2026-11-28.md).
+        names = ("hidden_matrices", "embed_norm_conv") if s.lora is None else ("adapters", "adapters")
+        if s.lora is not None and s.lora.optimizer == "muon":  # each A [r, in] and B [out, r] (per expert)
+            groups = {"muon": {**groups["muon"], **groups["adamw"]}, "adamw": {}}
         self.optimizer = MuonAdamW(
             [{"params": list(groups[tag].values()), "optimizer": tag, "name": name}
              for tag, name in zip(("muon", "adamw"), names) if groups[tag]],
@@ -159,6 +169,19 @@ class TrainerWorker:
                                       schedule=s.optimizer.schedule, total_steps=s.total_steps)
         self.bias_balancer = (self.family.bias_balancer(self.model, lr=s.bias_balancer_lr)
                               if s.algorithm.router_bias_update else None)
+
+    def rebased(self, model_path: str | Path, settings: TrainerSettings) -> TrainerWorker:
+        """A new worker in this one's process group with the model of `model_path` and `settings`, for a stage
+        that switches between full fine-tuning and adapters (`settings.lora`), which `start_stage` cannot
+        change: the model and optimizer are built anew (no optimizer state carries over), the step count
+        (`version`) continues. This worker is spent: its model and optimizer are released first."""
+        owns, version = self._owns_group, self.version
+        self._owns_group = False
+        del self.model, self.optimizer, self.scheduler
+        self.synced.drop()
+        worker = TrainerWorker(self.rendezvous, model_path, settings)
+        worker._owns_group, worker.version = owns, version
+        return worker
 
     def start_stage(self, settings: TrainerSettings, *, keep_optimizer_state: bool = False) -> None:
         """Next cascade stage on the same policy: new objective, optimizer hyperparameters and schedule.
@@ -385,10 +408,11 @@ class TrainerWorker:
         export_hf_checkpoint(self.model, path, version=self.version, dtype=dtype, companion_dir=self.model_path)
 
     def export_adapter(self, path: str | Path) -> None:
-        """Write the adapters as a PEFT adapter directory naming the base (rank 0 writes); collective."""
+        """Write the adapters as a PEFT adapter directory naming the base, as an absolute path (rank 0
+        writes); collective."""
         if self.settings.lora is None:
             raise ValueError("export_adapter: this trainer has no adapters (model.lora is unset)")
-        export_peft_adapter(self.model, path, version=self.version, base_model=str(self.model_path))
+        export_peft_adapter(self.model, path, version=self.version, base_model=str(self.model_path.resolve()))
 
     def shutdown(self) -> None:
         """Release the process group if this worker created it."""

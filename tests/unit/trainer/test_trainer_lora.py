@@ -138,3 +138,56 @@ def test_zrl_export_merges_a_lora_checkpoint_into_its_base(stepped, tiny_checkpo
     exported = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
     assert exported.keys() == stepped["after_export"].keys()
     assert all(torch.equal(exported[k], v) for k, v in stepped["after_export"].items())
+
+
+def test_onpolicy_copy_leaves_out_the_frozen_base_and_scores_exactly(tiny_checkpoint, single_rank):
+    """Under LoRA the host copy of the synced version (zrl/trainer/onpolicy.py) holds the adapters and the
+    buffers, not the frozen base (the same in every version), and tokens of that version scored under it
+    still agree with their behaviour log-probs to the fp32 bound of the full fine-tuning test."""
+    from test_onpolicy_scoring import SAME_WEIGHTS_KL, sampled_by
+
+    ref = load_hf_checkpoint(tiny_checkpoint)
+    worker = TrainerWorker(single_rank, tiny_checkpoint, settings(token_budget=256, kernels="reference"))
+    worker.weights_synced()  # the engines hold version 0
+    metrics = [worker.train_step(worker.share_of(sampled_by(ref, step, 0, seed=step + 1))) for step in range(2)]
+    params = dict(worker.model.named_parameters())
+    buffers = [v for k, v in worker.model.state_dict().items() if k not in params]
+    adapters = sum(p.numel() for n, p in params.items() if is_adapter(n))
+    assert sum(t.numel() for t in worker.synced._held) == adapters + sum(b.numel() for b in buffers)
+    assert metrics[1]["mismatch/onpolicy_num_tokens"] > 0  # version-0 tokens scored at version 1
+    assert metrics[1]["mismatch/onpolicy_kl_k3"] < SAME_WEIGHTS_KL
+
+
+def test_a_lora_stage_after_a_full_one_trains_on_its_export_and_zrl_export_finds_that_base(
+        tiny_checkpoint, single_rank, tmp_path):
+    """recipes/tiny-lora-cpu.yaml in miniature: a full step, the stage's export, the worker `rebased` on it with
+    adapters (as the controller does at the switch), a LoRA step. The step count continues; `zrl export` of the
+    LoRA stage's checkpoint (adapters only) merges them into the first stage's export, not into model.path."""
+    import json
+
+    from zrl.config import load_recipe
+
+    run = tmp_path / "run"
+    recipe = load_recipe("recipes/tiny-lora-cpu.yaml", [f"model.path={tiny_checkpoint}", "model.lora.rank=4",
+                                                        "model.lora.alpha=8", "stages.sft_warm_start.steps=1",
+                                                        "stages.copy_rl.steps=1"])
+    run.mkdir()
+    (run / "recipe.resolved.yaml").write_text(json.dumps(recipe.model_dump(mode="json")))
+    assert recipe.trainer_base(1) == "sft_warm_start"
+    ref = load_hf_checkpoint(tiny_checkpoint)
+    worker = TrainerWorker(single_rank, tiny_checkpoint, settings(lora=None))
+    worker.train_step(worker.share_of(make_batch(ref)))
+    worker.export_hf(run / "stages" / "sft_warm_start" / "hf", dtype=torch.float32)
+    worker = worker.rebased(run / "stages" / "sft_warm_start" / "hf", settings())
+    assert worker.version == 1 and any(is_adapter(n) for n, _ in worker.model.named_parameters())
+    worker.train_step(worker.share_of(make_batch(ref, trainer_step=1)))
+    worker.save_checkpoint(run / "checkpoints" / "step_000002", data_state={"stage": "copy_rl"})
+    worker.export_hf(run / "stages" / "copy_rl" / "hf", dtype=torch.float32)
+    worker.export_adapter(run / "stages" / "copy_rl" / "adapter")
+    named = json.loads((run / "stages" / "copy_rl" / "adapter" / "adapter_config.json").read_text())
+    assert named["base_model_name_or_path"] == str((run / "stages" / "sft_warm_start" / "hf").resolve())
+    out = export_checkpoint(run / "checkpoints" / "step_000002", tmp_path / "hf")
+    exported = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    stage = {k: v for f in sorted((run / "stages" / "copy_rl" / "hf").glob("*.safetensors"))
+             for k, v in load_file(f).items()}
+    assert exported.keys() == stage.keys() and all(torch.equal(exported[k], v) for k, v in stage.items())
