@@ -18,6 +18,7 @@ own lines carry the `[zrl HH:MM:SS]` prefix.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import json
@@ -27,6 +28,7 @@ import os
 import shlex
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -215,14 +217,39 @@ def _options(text: str | None) -> dict | str:
 
 def _checkpoint(args) -> Path | str:
     """The local directory of CHECKPOINT (a directory or a Hugging Face repo id: zrl/hub.py), or the
-    one-line reason there is none."""
+    one-line reason there is none. With --adapter, CHECKPOINT is the adapter's base (default: the base its
+    adapter_config.json names)."""
     from zrl.hub import is_hub_id, resolve
 
-    local = resolve(args.checkpoint, args.revision, "checkpoint")
+    path = args.checkpoint
+    if args.adapter is not None and path is None:
+        from zrl.adapter_checkpoint import adapter_base
+
+        path = adapter_base(args.adapter)
+        if path is None:
+            return (f"--adapter: {args.adapter}: its adapter_config.json names no base_model_name_or_path; give the "
+                    "base as CHECKPOINT")
+    if path is None:
+        return "checkpoint: required (or --adapter DIR, whose adapter_config.json names its base)"
+    local = resolve(path, args.revision, "checkpoint")
     if not (local / "config.json").is_file():
-        snapshot = f" (snapshot {local})" if is_hub_id(args.checkpoint) else ""
-        return f"{args.checkpoint}{snapshot}: not a checkpoint directory (no config.json)"
+        snapshot = f" (snapshot {local})" if is_hub_id(path) else ""
+        return f"{path}{snapshot}: not a checkpoint directory (no config.json)"
     return local
+
+
+@contextlib.contextmanager
+def _model_dir(args):
+    """The checkpoint directory to evaluate (or the one-line reason there is none): CHECKPOINT, or with
+    --adapter the adapter merged into its base in a temporary directory, removed afterwards."""
+    checkpoint = _checkpoint(args)
+    if isinstance(checkpoint, str) or args.adapter is None:
+        yield checkpoint
+        return
+    from zrl.adapter_checkpoint import merge_adapter
+
+    with tempfile.TemporaryDirectory(prefix="zrl-merged-") as tmp:
+        yield merge_adapter(args.adapter, checkpoint, Path(tmp) / "hf")
 
 
 def _environment(name: str) -> str | None:
@@ -252,7 +279,7 @@ def _flat(value: dict, prefix: str = "") -> list[list]:
 
 def cmd_eval(args) -> int:
     from zrl.config.schema import EnvironmentSpec, RewardModelSpec
-    from zrl.evaluate import evaluate
+    from zrl.evaluate import EvalRequest, evaluate_checkpoints
 
     options = _options(args.options)
     if isinstance(options, str):
@@ -260,21 +287,32 @@ def cmd_eval(args) -> int:
     unknown = _environment(args.env)
     if unknown:
         return _error([unknown])
-    checkpoint = _checkpoint(args)
-    if isinstance(checkpoint, str):
-        return _error([checkpoint])
+    if args.more and args.adapter is not None:
+        return _error(["--adapter: one adapter is evaluated at a time; give one CHECKPOINT (its base)"])
+    if args.more and args.save_rollouts is not None:
+        return _error(["--save-rollouts: writes the rollouts of one checkpoint; give one CHECKPOINT"])
+    others = [_checkpoint(argparse.Namespace(**{**vars(args), "checkpoint": more})) for more in args.more]
+    bad = [c for c in others if isinstance(c, str)]
+    if bad:
+        return _error(bad)
     reward_model = None if args.reward_model is None else RewardModelSpec(path=args.reward_model, dtype=args.dtype)
+    request = EvalRequest(EnvironmentSpec(name=args.env, options=options), num_prompts=args.num_prompts,
+                          samples_per_prompt=args.samples, temperature=args.temperature,
+                          max_response_tokens=args.max_response_tokens, split=args.split,
+                          save_rollouts=args.save_rollouts)
     try:
-        result = evaluate(checkpoint, EnvironmentSpec(name=args.env, options=options),
-                          num_prompts=args.num_prompts, seed=args.seed, samples_per_prompt=args.samples,
-                          temperature=args.temperature, max_response_tokens=args.max_response_tokens, dtype=args.dtype,
-                          reward_model=reward_model, split=args.split, save_rollouts=args.save_rollouts)
-    except (ValueError, FileNotFoundError) as exc:  # bad options, a missing reward model: one line
+        with _model_dir(args) as checkpoint:
+            if isinstance(checkpoint, str):
+                return _error([checkpoint])
+            results = [r for [r] in evaluate_checkpoints([checkpoint, *others], [request], seed=args.seed,
+                                                         dtype=args.dtype, reward_model=reward_model)]
+    except (ValueError, FileNotFoundError) as exc:  # bad options or adapter, other models, a missing reward model
         return _error([str(exc)])
+    rows = [dataclasses.asdict(r) for r in results]
     if args.json:
-        _print_json(dataclasses.asdict(result))
+        _print_json(rows if args.more else rows[0])  # one checkpoint: its object, as before several were taken
     else:
-        sys.stdout.write(_table(["result", "value"], _flat(dataclasses.asdict(result))))
+        sys.stdout.write("".join(_table(["result", "value"], _flat(row)) for row in rows))
     return 0
 
 
@@ -295,13 +333,13 @@ def cmd_ttc(args) -> int:
     unknown = _environment(args.env)
     if unknown:
         return _error([unknown])
-    checkpoint = _checkpoint(args)
-    if isinstance(checkpoint, str):
-        return _error([checkpoint])
     try:
-        result = evaluate_rsa(checkpoint, EnvironmentSpec(name=args.env, options=options), config,
-                              num_prompts=args.num_prompts, dtype=args.dtype)
-    except (ValueError, FileNotFoundError) as exc:  # bad settings or options: one line
+        with _model_dir(args) as checkpoint:
+            if isinstance(checkpoint, str):
+                return _error([checkpoint])
+            result = evaluate_rsa(checkpoint, EnvironmentSpec(name=args.env, options=options), config,
+                                  num_prompts=args.num_prompts, dtype=args.dtype)
+    except (ValueError, FileNotFoundError) as exc:  # bad settings, options or adapter: one line
         return _error([str(exc)])
     result.write_jsonl(args.output)
     rounds = [result.round_summary(i) for i in range(config.num_rounds + 1)]
@@ -446,14 +484,21 @@ def build_parser() -> argparse.ArgumentParser:
     families = ", ".join(registered_types())  # config.json model_types zrl can load (zrl/models)
 
     def model_args(p):
+        p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA adapter directory (e.g. <output_dir>/stages/"
+                                                        "<name>/adapter): evaluated merged into its base, CHECKPOINT "
+                                                        "or else the base its adapter_config.json names")
         p.add_argument("--revision", help="branch, tag or commit of a Hub repo id CHECKPOINT (default: main)")
         p.add_argument("--env", required=True, help="environment name or module:Class")
         p.add_argument("--options", help="environment options as YAML, e.g. '{max_operand: 20}'")
 
     p = command("eval", "accuracy of a checkpoint on an environment's held-out split")
-    p.add_argument("checkpoint", help=f"Hugging Face checkpoint of a registered model family ({families}): a "
-                                      "directory (e.g. <output_dir>/stages/<name>/hf) or a Hub repo id org/name "
-                                      "(cached, or downloaded on first use)")
+    p.add_argument("checkpoint", nargs="?",
+                   help=f"Hugging Face checkpoint of a registered model family ({families}): a directory (e.g. "
+                        "<output_dir>/stages/<name>/hf) or a Hub repo id org/name (cached, or downloaded on first "
+                        "use); with --adapter, the adapter's base (default: the one it names)")
+    p.add_argument("more", nargs="*", metavar="CHECKPOINT",
+                   help="more checkpoints of the same model (a run's stage exports), evaluated after the first on "
+                        "its engine, each loaded in place: one start for all; --json then prints a list")
     model_args(p)
     p.add_argument("--num-prompts", type=int, default=200, help="problems evaluated")
     p.add_argument("--samples", type=int, default=1, help="samples per prompt")
@@ -470,8 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("ttc", "Markovian RSA test-time compute on an environment's held-out split: per-round "
                        "accuracy, candidates to a JSONL")
-    p.add_argument("checkpoint", help=f"Hugging Face checkpoint of a registered model family ({families}): a "
-                                      "directory or a Hub repo id org/name")
+    p.add_argument("checkpoint", nargs="?",
+                   help=f"Hugging Face checkpoint of a registered model family ({families}): a directory or a Hub "
+                        "repo id org/name; with --adapter, the adapter's base (default: the one it names)")
     model_args(p)
     p.add_argument("--num-prompts", type=int, default=50, help="problems evaluated")
     p.add_argument("--population", "-N", type=int, default=16, help="N, candidates per problem and round")

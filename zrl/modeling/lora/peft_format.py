@@ -128,8 +128,10 @@ def read_peft_config(path: str | Path) -> dict:
 
 
 @torch.no_grad()
-def load_peft_adapter(model: nn.Module, path: str | Path) -> None:
-    """Copy the adapters of PEFT directory `path` into `model` (adapted with the same targets, rank, alpha)."""
+def load_peft_adapter(model: nn.Module, path: str | Path, *, missing_ok: bool = False) -> None:
+    """Copy the adapters of PEFT directory `path` into `model` (adapted with the same targets, rank, alpha).
+    With `missing_ok`, `model` may have more adapters than `path` holds: those keep their values (B = 0 after
+    `apply_lora`: no change to the base), so a model adapted on every target reads any subset of them."""
     path = Path(path)
     config = read_peft_config(path)
     rank, alpha, _ = _settings(model)
@@ -146,6 +148,8 @@ def load_peft_adapter(model: nn.Module, path: str | Path) -> None:
         a_view, b_view = read(a_param.data, b_param.data)
         a_key, b_key = f"{key}.lora_A.weight", f"{key}.lora_B.weight"
         expected.update((a_key, b_key))
+        if missing_ok and a_key not in stored and b_key not in stored:
+            continue
         for k, view in ((a_key, a_view), (b_key, b_view)):
             if k not in stored:
                 raise ValueError(f"{path}: no {k}")
