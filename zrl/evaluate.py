@@ -84,41 +84,33 @@ class EvalRequest:
     max_prompt_tokens: int | None = None  # longer prompts are skipped and counted, as in a stage
 
 
-def evaluate(checkpoint: str | Path, environment: EnvironmentSpec, num_prompts: int = 200, seed: int = 0,
-             samples_per_prompt: int = 1, temperature: float = 0.0, max_response_tokens: int = 64,
-             dtype: str = "float32", reward_model: RewardModelSpec | None = None, split: Split = "eval",
-             save_rollouts: str | Path | None = None) -> EvalResult:
-    """`reward_model`: the scorer of reward-model environments (run in this process)."""
-    request = EvalRequest(environment, num_prompts, samples_per_prompt, temperature, max_response_tokens, split,
-                          None if save_rollouts is None else str(save_rollouts))
-    return evaluate_requests(checkpoint, [request], seed, dtype, reward_model)[0]
-
-
 def evaluate_requests(checkpoint: str | Path, requests: list[EvalRequest], seed: int = 0, dtype: str = "float32",
                       reward_model: RewardModelSpec | None = None) -> list[EvalResult]:
     """Every request through one engine (started once for all of them), in order."""
     return evaluate_checkpoints([checkpoint], requests, seed, dtype, reward_model)[0]
 
 
-# config.json fields that differ between checkpoints of one model without changing what it computes.
-_CONFIG_NOTES = ("_name_or_path", "transformers_version")
-
-
 def same_model(checkpoints: Sequence[str | Path]) -> None:
-    """Raise ValueError (one line) unless every checkpoint has the first one's model configuration: one
-    engine, started on the first, serves them all by loading each one's weights in place."""
-    def config(path) -> dict:
-        data = json.loads((Path(path) / "config.json").read_text())
-        return {k: v for k, v in data.items() if k not in _CONFIG_NOTES}
+    """Raise ValueError (one line) unless every checkpoint is the first one's model: the same family and
+    model configuration as the family parses it (config.json files of one model may be written differently).
+    One engine, started on the first, serves them all by loading each one's weights in place."""
+    from zrl.models import family_of_checkpoint
+
+    def config(path):
+        return family_of_checkpoint(path).read_config(path)
 
     first = config(checkpoints[0])
     for other in checkpoints[1:]:
         theirs = config(other)
-        differ = sorted(k for k in first.keys() | theirs.keys() if first.get(k) != theirs.get(k))
+        if type(theirs) is not type(first):
+            raise ValueError(f"checkpoints: {other} is a {type(theirs).__name__}, {checkpoints[0]} a "
+                             f"{type(first).__name__}; evaluate them in separate commands")
+        differ = [f.name for f in dataclasses.fields(first)  # compare=False: what does not change the model
+                  if f.compare and getattr(first, f.name) != getattr(theirs, f.name)]
         if differ:
             k = differ[0]
-            raise ValueError(f"checkpoints: {other} is not the model of {checkpoints[0]} (config.json {k!r}: "
-                             f"{theirs.get(k)!r} vs {first.get(k)!r}); evaluate them in separate commands")
+            raise ValueError(f"checkpoints: {other} is not the model of {checkpoints[0]} ({k}: "
+                             f"{getattr(theirs, k)!r} vs {getattr(first, k)!r}); evaluate them in separate commands")
 
 
 def evaluate_checkpoints(checkpoints: Sequence[str | Path], requests: list[EvalRequest], seed: int = 0,

@@ -54,16 +54,18 @@ TOTAL = SFT_STEPS + RL_STEPS
 KEY = "curriculum/strings"
 
 
-def _held_out_accuracy(export: Path, level: int) -> float:
-    """Words of the recipe's entry at `level` (1 + 2 level to 2 + 2 level letters), 100 prompts x 4
-    samples at temperature 1."""
+def _held_out_accuracies(exports: list[Path], level: int) -> list[float]:
+    """Per export, words of the recipe's entry at `level` (1 + 2 level to 2 + 2 level letters), 100 prompts x 4
+    samples at temperature 1: one `zrl eval` of every export (one engine, the same prompts and seeds)."""
     options = f"{{tasks: copy, min_letters: {1 + 2 * level}, max_letters: {2 + 2 * level}}}"
-    out = subprocess.run([ZRL, "eval", str(export), "--env", "strings", "--options", options,
+    out = subprocess.run([ZRL, "eval", *map(str, exports), "--env", "strings", "--options", options,
                           "--num-prompts", "100", "--samples", "4",
                           "--temperature", "1.0", "--max-response-tokens", "48", "--seed", "7", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout)["accuracy"]
+    results = json.loads(out.stdout)
+    assert [r["checkpoint"] for r in results] == [str(e) for e in exports]
+    return [r["accuracy"] for r in results]
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +111,8 @@ def test_calibration_comes_first_and_the_level_follows_the_improving_policy(inte
     levels = [int(r[f"{KEY}/difficulty"]) for r in rows]
     common = [level for level in set(levels) if 4 * levels.count(level) >= len(levels)]
     trained = max(common) if common else max(set(levels), key=levels.count)
-    warm = _held_out_accuracy(run_dir / "stages" / "sft_warm_start" / "hf", trained)
-    final = _held_out_accuracy(run_dir / "stages" / RL_STAGE / "hf", trained)
+    warm, final = _held_out_accuracies([run_dir / "stages" / "sft_warm_start" / "hf",
+                                        run_dir / "stages" / RL_STAGE / "hf"], trained)
     log.info("crossing %.2f -> %.2f; levels %s; held-out accuracy at level %d: %.3f -> %.3f", first, last, levels,
              trained, warm, final)
     assert final > warm

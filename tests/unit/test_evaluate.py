@@ -94,16 +94,16 @@ def test_checkpoints_of_one_model_share_one_engine_and_other_models_are_refused(
     second = tmp_path / "second"
     second.mkdir()
     config = json.loads((model_path / "config.json").read_text())
-    (second / "config.json").write_text(json.dumps(dict(config, _name_or_path="elsewhere")))  # a note, not the model
+    (second / "config.json").write_text(json.dumps(dict(config, _name_or_path="elsewhere")))  # written differently
     [[first_result], [second_result]] = evaluate_checkpoints([model_path, second], [EvalRequest(spec, num_prompts=2)])
     assert len(AnsweringEngine.started) == 1 and AnsweringEngine.loaded == [(str(second), 1)]
     assert (first_result.checkpoint, first_result.accuracy) == (str(model_path), 1.0)
     assert (second_result.checkpoint, second_result.accuracy) == (str(second), 0.5)
 
-    (second / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=config["num_hidden_layers"] + 1)))
+    (second / "config.json").write_text(json.dumps(dict(config, vocab_size=config["vocab_size"] + 64)))
     AnsweringEngine.started.clear()
-    with pytest.raises(ValueError, match=r"checkpoints: .*second is not the model of .* \(config.json "
-                                         r"'num_hidden_layers'.*evaluate them in separate commands"):
+    with pytest.raises(ValueError, match=r"checkpoints: .*second is not the model of .* \(vocab_size: "
+                                         r"\d+ vs \d+\); evaluate them in separate commands"):
         evaluate_checkpoints([model_path, second], [EvalRequest(spec, num_prompts=2)])
     assert AnsweringEngine.started == []
 

@@ -134,22 +134,26 @@ def test_held_out_accuracy_is_logged_during_the_stage(async_run, eval_rows):
 
 def test_the_export_is_evaluated_on_the_stages_engine_as_a_fresh_engine_would(async_run):
     """The stage-end evaluation runs on the kept rollout worker, which loads the export from disk; `zrl
-    eval` of the export on an engine of its own (same problems, seeds and dtype) gives the same samples.
+    eval` of the export on an engine of its own (same problems, seeds and dtype) gives the same samples,
+    also when that engine started on another checkpoint (the run's base model, evaluated first by the same
+    command) and loaded the export in place.
     That `zrl eval --json` also shows results on stdout, logs on stderr (tests/unit/cli/test_cli_output.py):
     stdout is one JSON document, vLLM's lines and zrl's progress lines go to stderr."""
     run_dir, _, log = async_run
     assert "its export evaluated on the engine of rollout worker 0" in log
     recorded = json.loads((run_dir / "stages" / "rl" / "stage.json").read_text())["evaluation"][ENTRY]
-    out = subprocess.run([ZRL, "eval", str(run_dir / "stages" / "rl" / "hf"), "--env", ENTRY,
+    resolved = yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text())
+    export = str(run_dir / "stages" / "rl" / "hf")
+    out = subprocess.run([ZRL, "eval", resolved["model"]["path"], export, "--env", ENTRY,
                           "--num-prompts", str(EVALUATION["prompts"]), "--samples", str(EVALUATION["samples"]),
                           "--temperature", "1.0", "--max-response-tokens", str(EVALUATION["max_response_tokens"]),
-                          "--seed", str(yaml.safe_load((run_dir / "recipe.resolved.yaml").read_text())["seed"]),
-                          "--json"],
+                          "--seed", str(resolved["seed"]), "--json"],
                          capture_output=True, text=True, timeout=600, env=run_env())
     assert out.returncode == 0, out.stderr[-4000:]
-    fresh = json.loads(out.stdout)  # the whole of stdout: vLLM's lines would make this fail
+    base, loaded = json.loads(out.stdout)  # the whole of stdout: vLLM's lines would make this fail
+    assert (base["checkpoint"], loaded["checkpoint"]) == (resolved["model"]["path"], export)
     for field in ("num_prompts", "accuracy", "mean_response_tokens", "reasons", "pass_at_k"):
-        assert fresh[field] == recorded[field], field
+        assert loaded[field] == recorded[field], field
     prompts, samples = EVALUATION["prompts"], EVALUATION["samples"]
     progress = [line for line in out.stderr.splitlines() if line.startswith("[zrl ") and "eval: " in line]
     assert "starting the engine" in progress[1], progress

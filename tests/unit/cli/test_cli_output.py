@@ -4,6 +4,7 @@ engine (whose own log lines must go to stderr) `zrl eval --json` is checked on t
 asynchronous pipeline test's run (tests/integration/pipeline/test_async_pipeline.py), which parses stdout
 whole."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,20 +24,36 @@ RESULT = EvalResult(checkpoint="ckpt", environment="strings", num_prompts=2, acc
 @pytest.fixture
 def checkpoint(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
-    monkeypatch.setattr(zrl.evaluate, "evaluate", lambda *args, **kwargs: RESULT)
+    monkeypatch.setattr(zrl.evaluate, "evaluate_checkpoints", lambda checkpoints, *args, **kwargs: [
+        [dataclasses.replace(RESULT, checkpoint=str(c))] for c in checkpoints])
     return str(tmp_path)
 
 
 def test_eval_prints_a_table_or_json_with_no_nan(checkpoint, capsys):
     assert main(["eval", checkpoint, "--env", "strings", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "checkpoint": "ckpt", "environment": "strings", "num_prompts": 2, "accuracy": None, "verifier_errors": 0,
+        "checkpoint": checkpoint, "environment": "strings", "num_prompts": 2, "accuracy": None, "verifier_errors": 0,
         "mean_response_tokens": 8.0, "reasons": {"wrong": 1.0}, "metadata_means": {}, "skipped_long_prompts": 0,
         "samples_per_prompt": 4, "avg_at_k": None, "pass_at_1": 0.25, "pass_at_k": 0.5}
     assert main(["eval", checkpoint, "--env", "strings"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert rows[0] == ["result", "value"] and ["accuracy", "-"] in rows and ["reasons.wrong", "1"] in rows
     assert ["samples_per_prompt", "4"] in rows and ["pass_at_1", "0.25"] in rows and ["pass_at_k", "0.5"] in rows
+
+
+def test_eval_of_several_checkpoints_prints_a_list_in_their_order(checkpoint, tmp_path, capsys):
+    """Several checkpoints go to one evaluation (one engine, evaluate_checkpoints) and --json prints one list;
+    what applies to one checkpoint only is refused in one line."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    assert main(["eval", checkpoint, str(other), "--env", "strings", "--json"]) == 0
+    assert [r["checkpoint"] for r in json.loads(capsys.readouterr().out)] == [checkpoint, str(other)]
+    assert main(["eval", checkpoint, str(tmp_path / "missing"), "--env", "strings"]) == 2
+    assert capsys.readouterr().err == f"zrl: error: {tmp_path / 'missing'}: not a checkpoint directory (no config.json)\n"
+    for flag in (["--adapter", str(other)], ["--save-rollouts", str(tmp_path / "r.jsonl")]):
+        assert main(["eval", checkpoint, str(other), "--env", "strings", *flag]) == 2
+        assert capsys.readouterr().err.startswith(f"zrl: error: {flag[0]}: ")
 
 
 class FakeRSA:

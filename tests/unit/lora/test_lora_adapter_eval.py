@@ -27,12 +27,13 @@ def evaluated(monkeypatch):
     """Replaces the evaluation: records the checkpoint directory it is given and the weights it holds there."""
     seen = {}
 
-    def probe(checkpoint, *args, **kwargs):
+    def probe(checkpoints, *args, **kwargs):
+        [checkpoint] = checkpoints
         seen["dir"] = checkpoint
         seen["state"] = get_family(MODEL_TYPE).load_state_dict(checkpoint, dtype=torch.float32)
         raise ValueError("probe: evaluated")  # cmd_eval's one-line exit, before any engine
 
-    monkeypatch.setattr(zrl.evaluate, "evaluate", probe)
+    monkeypatch.setattr(zrl.evaluate, "evaluate_checkpoints", probe)
     return seen
 
 
