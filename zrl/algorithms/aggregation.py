@@ -105,11 +105,22 @@ def seq_mean_token_mean(token_loss: torch.Tensor, loss_mask: torch.Tensor, seq_i
     loss, mask, seq = _flatten(token_loss, loss_mask, seq_idx)
     if loss.numel() == 0 or global_num_seqs == 0:
         return _masked_sum(loss, mask) * 0.0
-    # Compact the rollout ids (they may be sparse global ids), count T_i per rollout: [N], then per token: [T]
-    _, local = torch.unique(seq, return_inverse=True)
-    per_seq = torch.bincount(local, weights=mask.to(torch.float64))
-    denom = per_seq[local].clamp(min=1.0).to(loss.dtype)
+    denom = _rollout_token_counts(seq, mask).clamp(min=1.0).to(loss.dtype)
     return _masked_sum(loss / denom, mask) / float(global_num_seqs)
+
+
+def _rollout_token_counts(seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per token, T_i: the masked tokens of its rollout (float64 [T]). The rollout ids (sparse global ids)
+    are compacted by a sort and a running count, not by `unique`/`bincount`, whose output sizes a GPU must
+    send back to the host: no host synchronisation."""
+    order = torch.sort(seq, stable=True).indices
+    ordered = seq[order]
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    local = torch.empty_like(seq)
+    local[order] = torch.cumsum(starts.long(), 0) - 1  # 0..N-1, N <= T rollouts
+    counts = torch.zeros(seq.numel(), dtype=torch.float64, device=seq.device)
+    return counts.scatter_add_(0, local, mask.to(torch.float64))[local]
 
 
 def token_weights(name: AggregationName | str, loss_mask: torch.Tensor, seq_idx: torch.Tensor | None = None, *,
@@ -135,9 +146,7 @@ def token_weights(name: AggregationName | str, loss_mask: torch.Tensor, seq_idx:
         _, flat_mask, seq = _flatten(zero, mask, seq_idx)
         if flat_mask.numel() == 0 or global_num_seqs == 0:
             return zero
-        _, local = torch.unique(seq, return_inverse=True)
-        per_seq = torch.bincount(local, weights=flat_mask.to(torch.float64))
-        denom = per_seq[local].clamp(min=1.0).to(dtype)  # T_i of each token's rollout
+        denom = _rollout_token_counts(seq, flat_mask).clamp(min=1.0).to(dtype)  # T_i of each token's rollout
         return torch.where(flat_mask, 1.0 / denom / float(global_num_seqs), 0.0).to(dtype).reshape(mask.shape)
     raise ValueError(f"unknown loss aggregation {name!r}; valid: {list(AGGREGATION_NAMES)}")
 

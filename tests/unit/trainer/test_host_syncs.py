@@ -325,6 +325,26 @@ def test_fused_head_split_products_make_no_host_sync():
     assert counter.total == 0, counter.table()
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_every_loss_aggregation_makes_no_host_sync(layout):
+    """Each mode's loss and its per-token weights (what the fused head takes): seq_mean_token_mean counts
+    the tokens of each rollout without `unique`/`bincount`, whose output sizes a GPU reads back."""
+    from zrl.algorithms import AGGREGATION_NAMES, aggregate_loss, token_weights
+
+    gen = torch.Generator().manual_seed(0)
+    if layout == "packed":  # sparse global rollout ids, contiguous per rollout
+        seq = torch.tensor([7] * 4 + [3] * 5 + [12] * 3)
+        loss, mask = torch.randn(12, generator=gen), torch.rand(12, generator=gen) > 0.3
+    else:
+        seq, loss, mask = None, torch.randn(3, 5, generator=gen), torch.rand(3, 5, generator=gen) > 0.3
+    counts = dict(global_num_seqs=3, global_num_tokens=int(mask.sum()))
+    for name in AGGREGATION_NAMES:
+        with SyncCounter() as counter:
+            aggregate_loss(name, loss, mask, seq, max_response_tokens=5, **counts)
+            token_weights(name, mask, seq, max_response_tokens=5, **counts)
+        assert counter.total == 0, (name, counter.table())
+
+
 def test_onpolicy_scoring_host_syncs_within_budget(tiny_checkpoint, single_rank, monkeypatch):
     """The scoring under the previous synced version's weights (zrl/trainer/onpolicy.py) runs on every RL
     step: the sample is chosen on the host, the weights move by asynchronous copies, and the forward and
