@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from serving.lora_sync import AdapterVersions
 from serving.served_models import served_model
 from serving.worker_ext import WeightStream
 from zrl.types import NO_ROUTE
@@ -127,6 +128,7 @@ class _Pending:
     prompt_ids: np.ndarray
     decode_text: bool  # vLLM does not detokenize (no stop strings): decode the text at the end
     segments: list[VersionSegment]
+    adapter_version: int | None = None  # the adapter it runs with (adapter-only sync), held until it ends
 
 
 class RolloutEngine:
@@ -147,7 +149,9 @@ class RolloutEngine:
     ) -> None:
         """prefix_caching: the samples of a group (and later groups of the same prompt under the same policy
         version) reuse the prompt's computed KV blocks (and ZAYA's CCA state) instead of prefilling it again;
-        exact (serving/cca_state.py), and each reused position's routing is the one recorded when it was computed."""
+        exact (serving/cca_state.py), and each reused position's routing is the one recorded when it was computed.
+        `engine_kwargs` with vLLM's `enable_lora` (serving.lora_sync.engine_lora_args): the engine serves the policy's
+        adapters by version (`load_adapter`)."""
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -173,6 +177,7 @@ class RolloutEngine:
         self._tokenizer = self._engine.get_tokenizer()
         self.routing_width = self._rpc("start_routing_capture")  # columns of a routing row: L (zaya), L * k (qwen3_moe)
         self.version = policy_version
+        self._adapters = AdapterVersions() if engine_kwargs.get("enable_lora") else None
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self._groups = itertools.count()
@@ -216,6 +221,7 @@ class RolloutEngine:
         # the end, which spares vLLM decoding every token (and its logprob entry) at every step.
         detokenize = bool(sampling.stop)
         for i in range(num_samples):
+            adapter_version, lora_request = self._adapters.take() if self._adapters is not None else (None, None)
             params = SamplingParams(
                 n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                 min_p=sampling.min_p, max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
@@ -223,10 +229,12 @@ class RolloutEngine:
                 detokenize=detokenize, output_kind=RequestOutputKind.FINAL_ONLY, ignore_eos=sampling.ignore_eos)
             external_id = f"zrl-{next(self._ids)}"
             # The salt keeps a prefix computed under one policy version from serving another one.
-            request = {"prompt_token_ids": prompt.tolist(), "cache_salt": f"policy-v{self.version}"}
-            internal_id = self._engine.add_request(external_id, request, params)
+            # (With adapters: the version of the adapter the request runs with, which is the current one.)
+            salt_version = self.version if adapter_version is None else adapter_version
+            request = {"prompt_token_ids": prompt.tolist(), "cache_salt": f"policy-v{salt_version}"}
+            internal_id = self._engine.add_request(external_id, request, params, lora_request=lora_request)
             self._pending[external_id] = _Pending(group_id, i, internal_id, prompt, not detokenize,
-                                                  [VersionSegment(0, self.version)])
+                                                  [VersionSegment(0, self.version)], adapter_version)
         return group_id
 
     def step(self) -> list[FinishedSample]:
@@ -235,6 +243,7 @@ class RolloutEngine:
                     if output.finished and output.request_id in self._pending]
         if not finished:
             return []
+        self._release_adapters(p for _, p in finished)
         tables = self._rpc("pop_routing", [p.internal_id for _, p in finished])
         return [FinishedSample(p.group_id, p.sample_index, self._sample_output(o, p, tables[p.internal_id]))
                 for o, p in finished]
@@ -272,14 +281,14 @@ class RolloutEngine:
             return
         self._engine.abort_request(external)
         self._rpc("discard_routing", [self._pending[k].internal_id for k in external])
-        for k in external:
-            del self._pending[k]
+        self._release_adapters(self._pending.pop(k) for k in external)
 
     def abort_all(self) -> None:
         """Drop every unfinished sample of every group (no output is returned for them)."""
         if self._pending:
             self._engine.abort_request(list(self._pending))
             self._rpc("discard_routing", [p.internal_id for p in self._pending.values()])
+            self._release_adapters(self._pending.values())
             self._pending.clear()
 
     # ------------------------------------------------------------------ weights
@@ -319,12 +328,51 @@ class RolloutEngine:
             self._rpc("load_weights_in_place", payload)
         seconds = time.perf_counter() - start
         self.version = self.version + 1 if version is None else version
+        if self._adapters is not None:  # new base weights: new requests run on them alone
+            self._remove_adapters(self._adapters.load_base())
         for external_id, generated in self._generated_so_far().items():
             segments = self._pending[external_id].segments
             while segments and segments[-1].start >= generated:  # no token sampled under that version
                 segments.pop()
             segments.append(VersionSegment(generated, self.version))
         return WeightUpdateStats(version=self.version, seconds=seconds, num_bytes=num_bytes)
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether the engine serves the policy's adapters with vLLM's LoRA (adapter-only weight sync)."""
+        return self._adapters is not None
+
+    def load_adapter(self, path: str | Path, version: int, num_bytes: int = 0) -> WeightUpdateStats:
+        """Make PEFT adapter directory `path` policy version `version`: requests submitted from now on run
+        with it (LoRARequest `policy-v<version>`, serving.lora_sync.AdapterVersions), requests in flight keep
+        the adapter they started with until they end, so their tokens keep their version. The engine owns
+        `path` from now on and deletes it when no request uses the version any more."""
+        if self._adapters is None:
+            raise RuntimeError("load_adapter: the engine was started without vLLM's LoRA (enable_lora)")
+        start = time.perf_counter()
+        if version == self._adapters.current:  # a version's adapter is that version's: already served
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+            return WeightUpdateStats(version=version, seconds=time.perf_counter() - start, num_bytes=0)
+        request, unused = self._adapters.load(path, version)
+        self._engine.add_lora(request)
+        self._remove_adapters(unused)
+        self.version = version
+        return WeightUpdateStats(version=version, seconds=time.perf_counter() - start, num_bytes=num_bytes)
+
+    def _release_adapters(self, finished) -> None:
+        if self._adapters is not None:
+            for p in list(finished):
+                self._remove_adapters(self._adapters.give_back(p.adapter_version))
+
+    def _remove_adapters(self, versions: list[int]) -> None:
+        import shutil
+
+        for version in versions:
+            self._engine.remove_lora(self._adapters.request(version).lora_int_id)
+            shutil.rmtree(self._adapters.path(version), ignore_errors=True)
+            self._adapters.forget(version)
 
     def close(self) -> None:
         """Abort what is in flight and shut the engine down.

@@ -41,6 +41,12 @@ class LoRASpec(Strict):
                              "optimizer.muon.lr) or Muon on each adapter matrix (the stage's optimizer.muon); the "
                              "default is the measured better on the tiny recipe (zrl/trainer/worker.py)")
 
+    sync: Literal["auto", "adapter", "merged"] = Field(
+        "auto", description="how the weights reach the rollout engines: adapter = the adapters alone, loaded by "
+                            "vLLM's LoRA under one name per policy version; merged = full weights with the "
+                            "adapters merged tensor by tensor; auto = adapter where vLLM serves it for the model "
+                            "and device, else merged (the choice and its reason are logged, serving/lora_sync.py)")
+
     @model_validator(mode="after")
     def _something_to_adapt(self):
         t = self.targets

@@ -72,6 +72,7 @@ from zrl.config.schema import Recipe, RLStage
 from zrl.env import registry
 from zrl.evaluate import EvalRequest, EvalResult
 from zrl.metrics import MetricsLogger
+from zrl.models import family_of_checkpoint
 from zrl.pipeline.faults import RANK_FAILURE_GRACE_S, reason_of, trainer_results
 from zrl.pipeline.health import ROLLBACK_SEED_STRIDE, rollbacks_made
 from zrl.pipeline.held_out import held_out_metrics, held_out_requests
@@ -208,6 +209,7 @@ class Cascade:
         self._curriculum: dict | None = None  # difficulty-scheduler state at the end of the last RL stage
         self._inherited: dict | None = None   # what the running stage took from the previous one (its record)
         self._carried: dict = {}  # {index: RolloutWorker} kept between stages: evaluate the export, run the next RL stage
+        self._logged_sync = None  # the weight-sync choice last logged (serving.lora_sync.SyncChoice)
 
     def run(self) -> int:
         """Run every stage (from the resume point, if any); returns the final trainer step."""
@@ -362,6 +364,7 @@ class Cascade:
         rl_stages = [s for s in self.recipe.stages if isinstance(s, RLStage)]
         # A rollback moves the stage's prompt and sampling stream on, so it does not replay what led to the alarm.
         rollbacks = rollbacks_made(self.layout.alarms, stage.name)
+        weight_sync, engine_lora = self._weight_sync(self.recipe.stages.index(stage))
         return StageContext(ranks=ranks, rollout_pool=self.rollout_pool, model_path=self.model_path,
                             engine_dtype=self.recipe.model.dtype, kernels=self.recipe.model.kernels,
                             token_budget=trainer_settings(self.recipe, stage).token_budget,
@@ -374,7 +377,21 @@ class Cascade:
                             prefix_caching=self.recipe.resources.rollout_prefix_caching,
                             engine_max_model_len=max(s.sampling.max_prompt_tokens + s.sampling.max_response_tokens
                                                      for s in rl_stages),
-                            max_worker_restarts=max(s.asynchrony.max_worker_restarts for s in rl_stages))
+                            max_worker_restarts=max(s.asynchrony.max_worker_restarts for s in rl_stages),
+                            weight_sync=weight_sync, engine_lora=engine_lora)
+
+    def _weight_sync(self, index: int):
+        """How stage `index`'s weights reach the engines (serving/lora_sync.py: full, merged or adapter-only) and
+        the engines' vLLM LoRA arguments; the choice and its reason are logged when they first appear in the run."""
+        from serving.lora_sync import choose_weight_sync, engine_lora_args
+
+        lora, model_type = self.recipe.stage_lora(index), family_of_checkpoint(self.model_path).model_type
+        choice = choose_weight_sync(model_type, lora, rollout_on_gpu=self.rollout_pool.gpus > 0,
+                                    base_is_served=self.recipe.trainer_base(index) is None)
+        if choice != self._logged_sync:
+            log.info(choice.line())
+            self._logged_sync = choice
+        return choice, (engine_lora_args(model_type, lora) if choice.mode == "adapter" else None)
 
     def _reward_models(self, needed: bool) -> None:
         """Start the recipe's reward-model actors when `needed` and not up, stop them when up and not. They

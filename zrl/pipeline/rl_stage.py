@@ -83,6 +83,8 @@ class StageContext:
     prefix_caching: bool = False  # the rollout engines' (resources.rollout_prefix_caching)
     engine_max_model_len: int | None = None  # the rollout engines' (None: the stage's prompt + response limit)
     max_worker_restarts: int | None = None   # Ray's restarts of a rollout worker in its life (None: the stage's)
+    weight_sync: object = None  # serving.lora_sync.SyncChoice of the run (None: full weights)
+    engine_lora: dict | None = None  # the rollout engines' vLLM LoRA arguments (adapter-only sync), else None
 
 
 def start_rollout_worker(ctx: StageContext, stage: RLStage, index: int, policy_version: int):
@@ -90,6 +92,7 @@ def start_rollout_worker(ctx: StageContext, stage: RLStage, index: int, policy_v
     return ctx.rollout_pool.actor(RolloutWorker, index, index, ctx.model_path, stage, ctx.seed, ctx.engine_dtype,
                                   policy_version=policy_version, kernels=ctx.kernels, publish=ray.put,
                                   prefix_caching=ctx.prefix_caching, max_model_len=ctx.engine_max_model_len,
+                                  engine_lora=ctx.engine_lora,
                                   max_restarts=(stage.asynchrony.max_worker_restarts if ctx.max_worker_restarts is None
                                                 else ctx.max_worker_restarts))
 
@@ -176,9 +179,10 @@ class RLStageRunner:
 
     def run(self) -> int:
         s = self.schedule
-        log.info("stage %r: %d RL steps from trainer step %d (%s mode, weight sync: %s)", self.stage.name,
+        log.info("stage %r: %d RL steps from trainer step %d (%s mode, weight sync: %s, %s)", self.stage.name,
                  s.end_step - s.trainer_step, s.trainer_step,
-                 "synchronous" if s.synchronous else "asynchronous", self.counters.sync_transport)
+                 "synchronous" if s.synchronous else "asynchronous", self.counters.sync_transport,
+                 self.counters.sync_mode)
         trainer_ok = True
         try:
             self._carry_out(s.start())  # start from the trainer's weights (they differ from model_path after a stage)

@@ -32,7 +32,10 @@ its weights stay (the stage's first sync replaces them).
 
 Weight sync: `join_sync` makes the worker a receiver of the trainer's sync group; `receive_weights`
 takes one streamed sync and loads it in place as it arrives (zrl.pipeline.weight_sync).
-`update_weights` is the fallback that loads a whole state dict (or a reference to one).
+`update_weights` is the fallback that loads a whole state dict (or a reference to one). In a LoRA run
+synced adapter-only (serving/lora_sync.py; the engine started with `engine_lora`), a sync carries the
+adapters alone: they are written as a PEFT directory and loaded as the new version's adapter, which new
+requests take while requests in flight finish with theirs.
 
 Multi-turn environments (zrl.env.episode.EpisodicEnvironment): each of a group's G samples is an episode
 that the worker's `EpisodeRunner` (zrl/env/episodes.py) drives on the same engine, beside the
@@ -65,7 +68,7 @@ from zrl.env.episodes import EpisodeOutput, EpisodeRunner, episode_verification
 from zrl.env.errors import EnvErrorLog
 from zrl.host_memory import HostPeakMemory
 from zrl.models import family_of_checkpoint
-from zrl.pipeline.weight_sync import SyncAddress, SyncGroup, drain
+from zrl.pipeline.weight_sync import AdapterState, SyncAddress, SyncGroup, drain
 from zrl.prompts import Assignment, PromptSource, build_entries
 from zrl.types import Prompt, Rollout, Verification, rollout_array_bytes, stream_group_id
 
@@ -163,11 +166,12 @@ class RolloutWorker:
     def __init__(self, worker_index: int, model_path: str | Path, stage: RLStage, seed: int, dtype: str,
                  policy_version: int = 0, kernels: str = "auto", publish: Callable[[GeneratedGroup], Any] | None = None,
                  round_seconds: float = 0.5, max_num_seqs: int = 256, prefix_caching: bool = False,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, engine_lora: dict | None = None):
         """`seed`: the stage's seed (the recipe's, offset by the stage); `publish`: how a finished group
         is handed on (None: the report carries the group itself, for in-process use); `max_model_len`: the
         engine's longest sequence (default: the stage's prompt + response limit; the cascade sizes it for
-        its longest RL stage, so the worker can be carried into each of them, `begin_stage`)."""
+        its longest RL stage, so the worker can be carried into each of them, `begin_stage`); `engine_lora`: vLLM's
+        LoRA arguments of an adapter-only sync (serving.lora_sync.engine_lora_args), None otherwise."""
         from serving.engine import RolloutEngine
         from zrl.modeling import kernels as kernel_backend
 
@@ -179,7 +183,8 @@ class RolloutWorker:
         self.engine = RolloutEngine(model_path, dtype=dtype,
                                     max_model_len=max_model_len or s.max_prompt_tokens + s.max_response_tokens,
                                     max_num_seqs=max_num_seqs, seed=worker_seeds(seed, s.seed, worker_index)[0],
-                                    policy_version=policy_version, prefix_caching=prefix_caching)
+                                    policy_version=policy_version, prefix_caching=prefix_caching,
+                                    **(engine_lora or {}))
         family = family_of_checkpoint(model_path)
         self.vocab_size = family.shape(family.read_config(model_path)).vocab_size
         self._eval_envs: dict[tuple[str, str], Any] = {}  # (entry key, its spec) -> the held-out environment
@@ -283,7 +288,17 @@ class RolloutWorker:
         if any(len(ids) + r.max_response_tokens > self.engine.max_model_len
                for (_, r), (kept, _) in zip(requests, problems) for _, ids in kept):
             return None
-        self.engine.update_weights(checkpoint, version=version)
+        adapter = Path(checkpoint).parent / "adapter"  # RunDir.stage_adapter beside RunDir.stage_hf
+        if self.engine.serves_adapters and adapter.is_dir():
+            # The engine's base stays the trainer's: the export's adapters, not its merged weights, so that
+            # the next RL stage's adapters land on the same base.
+            import shutil
+            import tempfile
+
+            copy = tempfile.mkdtemp(prefix=f"zrl-adapter-v{version}-")  # the engine owns (and deletes) it
+            self.engine.load_adapter(shutil.copytree(adapter, copy, dirs_exist_ok=True), version)
+        else:
+            self.engine.update_weights(checkpoint, version=version)
         return self.evaluate(requests, seed, checkpoint=checkpoint, problems=problems)
 
     def evaluate(self, requests: list, seed: int, checkpoint: str | None = None,
@@ -370,7 +385,10 @@ class RolloutWorker:
         with HostPeakMemory() as memory:
             header, tensors = self._sync_group.receive()
             try:
-                self.engine.update_weights(WeightStream(frozenset(header.names()), tensors), version=header.version)
+                if header.adapter_config is not None:
+                    self._load_adapter(dict(tensors), header.adapter_config, header.version)
+                else:
+                    self.engine.update_weights(WeightStream(frozenset(header.names()), tensors), version=header.version)
             finally:
                 drain(tensors)  # a failed load still completes the collective for the others
         return SyncReceived(header.version, time.perf_counter() - start, header.num_bytes, memory.peak_extra_bytes)
@@ -379,8 +397,21 @@ class RolloutWorker:
         """Fallback sync: load a whole state dict (or an object reference to one) in place."""
         start = time.perf_counter()
         with HostPeakMemory() as memory:
-            stats = self.engine.update_weights(state_dict, version=version)
+            if isinstance(state_dict, AdapterState):  # an adapter-only sync's (Ray resolved the reference)
+                stats = self._load_adapter(state_dict.tensors, state_dict.config, version)
+            else:
+                stats = self.engine.update_weights(state_dict, version=version)
         return SyncReceived(version, time.perf_counter() - start, stats.num_bytes, memory.peak_extra_bytes)
+
+    def _load_adapter(self, tensors: dict, config: dict, version: int):
+        """An adapter-only sync's adapters, written as a PEFT directory the engine then owns, as `version`."""
+        import tempfile
+
+        from zrl.modeling.lora import write_peft_adapter
+
+        path = write_peft_adapter(tensors, config, tempfile.mkdtemp(prefix=f"zrl-adapter-v{version}-"))
+        return self.engine.load_adapter(path, version, num_bytes=sum(t.numel() * t.element_size()
+                                                                     for t in tensors.values()))
 
     # ------------------------------------------------------------------ state
 

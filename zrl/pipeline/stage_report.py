@@ -42,6 +42,7 @@ class StageCounters:
     sync_engine_s: float = 0.0         # last sync: slowest worker's receive + load
     sync_peak_extra_bytes: dict = field(default_factory=dict)  # "sender"/"receiver" -> last sync's peak
     sync_transport: str = "collective"
+    sync_mode: str = "full"            # what a sync sends: full | merged | adapter (serving/lora_sync.py)
     driver_array_bytes: int = 0        # rollout-array bytes the driver fetched (must stay 0)
     generated_array_bytes: int = 0     # rollout-array bytes the workers published
     rollouts_generated: int = 0        # window, for the canary means
@@ -75,6 +76,7 @@ def step_metrics(counters: StageCounters, schedule: StageSchedule, trainer: dict
         "sync/time_s": c.sync_s / max(c.sync_count, 1), "sync/count": float(c.sync_count),
         "sync/bytes": float(c.sync_bytes), "sync/engine_update_s": c.sync_engine_s,
         "sync/collective": float(c.sync_transport == "collective"),
+        "sync/adapter_only": float(c.sync_mode == "adapter"), "sync/merged": float(c.sync_mode == "merged"),
         "sync/worker_version_min": float(min(w.policy_version for w in schedule.workers)),
         "faults/lost_groups": float(schedule.lost_groups), "faults/worker_restarts": float(schedule.worker_restarts),
         "faults/verifier_timeouts": float(c.verifier_timeouts),

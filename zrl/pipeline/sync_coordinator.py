@@ -9,6 +9,9 @@ after MAX_FAILED_SYNCS failures in a row. What differs between transports is one
   `await_joins`); when it cannot be formed, the coordinator falls back to
 - `ObjectStoreSync`: rank 0's state dict goes from its process to the workers' through Ray's object
   store (recipe `sync_transport: object_store`, or the fallback, logged once with the reason).
+What travels is the run's `weight_sync` choice (serving/lora_sync.py): the full weights (merged, in a LoRA run
+that cannot be synced adapter-only) or, adapter-only, the adapters alone (`sync_adapters` /
+`export_adapter_state` on the trainer side), over either transport.
 The schedule decides when; the coordinator's answers (`TrainerSynced`, `WorkerSynced`) go back to it
 through the stage loop (zrl.pipeline.rl_stage), which also handles a worker that died mid-sync.
 """
@@ -36,8 +39,9 @@ MAX_FAILED_SYNCS = 6  # failed sync calls in a row (each member's failure counts
 class CollectiveSync:
     name = "collective"
 
-    def __init__(self):
+    def __init__(self, adapters: bool = False):
         self.group_ready = False
+        self.adapters = adapters  # an adapter-only sync: the trainer sends the adapters alone
 
     def prepare(self, ranks: list, workers: list, pool, timeout_s: float) -> bool:
         """Form the group unless it is formed (blocking: stage start and after faults only); False when
@@ -67,8 +71,9 @@ class CollectiveSync:
         self.group_ready = False
 
     def submit(self, ranks: list, workers: list, policy_version: int, engine_dtype: str, bucket_bytes: int):
-        return (tuple(r.sync_weights.remote(engine_dtype, bucket_bytes) for r in ranks),
-                [w.receive_weights.remote() for w in workers])
+        sent = tuple(r.sync_adapters.remote(bucket_bytes) if self.adapters else
+                     r.sync_weights.remote(engine_dtype, bucket_bytes) for r in ranks)
+        return sent, [w.receive_weights.remote() for w in workers]
 
     def fetchable(self, refs: tuple) -> tuple:
         """The trainer ranks' results the driver fetches: every rank's report."""
@@ -109,6 +114,9 @@ def await_joins(joins: list, workers: list, address, deadline: float) -> None:
 class ObjectStoreSync:
     name = "object_store"
 
+    def __init__(self, adapters: bool = False):
+        self.adapters = adapters
+
     def prepare(self, ranks: list, workers: list, pool, timeout_s: float) -> bool:
         return True
 
@@ -116,7 +124,8 @@ class ObjectStoreSync:
         pass
 
     def submit(self, ranks: list, workers: list, policy_version: int, engine_dtype: str, bucket_bytes: int):
-        refs = tuple(r.export_state.remote(engine_dtype) for r in ranks)
+        refs = tuple(r.export_adapter_state.remote() if self.adapters else r.export_state.remote(engine_dtype)
+                     for r in ranks)
         return refs, [w.update_weights.remote(refs[0], policy_version) for w in workers]
 
     def fetchable(self, refs: tuple) -> tuple:
@@ -138,15 +147,18 @@ class SyncCoordinator:
         the loop's counting ray.get; `next_seq`: the loop's call sequence numbers."""
         self.stage_name, self.asynchrony, self.ctx, self.workers = stage_name, asynchrony, ctx, workers
         self.counters, self.pending, self.fetch, self.next_seq = counters, pending, fetch, next_seq
-        self.transport = CollectiveSync() if asynchrony.sync_transport == "collective" else ObjectStoreSync()
+        self.adapters = ctx.weight_sync is not None and ctx.weight_sync.mode == "adapter"
+        self.transport = (CollectiveSync(self.adapters) if asynchrony.sync_transport == "collective"
+                          else ObjectStoreSync(self.adapters))
         counters.sync_transport = self.transport.name
+        counters.sync_mode = "full" if ctx.weight_sync is None else ctx.weight_sync.mode
         self.failed_syncs = 0
         self._started = 0.0
 
     def start(self, request: StartSync) -> None:
         a, ctx = self.asynchrony, self.ctx
         if not self.transport.prepare(ctx.ranks, self.workers, ctx.rollout_pool, a.sync_timeout_s):
-            self.transport = ObjectStoreSync()
+            self.transport = ObjectStoreSync(self.adapters)
             self.counters.sync_transport = self.transport.name
         self._started = time.perf_counter()
         refs, calls = self.transport.submit(ctx.ranks, self.workers, request.policy_version, ctx.engine_dtype,

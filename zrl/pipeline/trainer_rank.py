@@ -7,8 +7,10 @@ Two-phase start: the controller first asks rank 0 where the pool's process group
 Weight sync (zrl.pipeline.weight_sync): rank 0 opens a sync group with the rollout workers
 (`listen_for_sync` then `join_sync`, concurrently with the workers' joins); `sync_weights` is
 collective over the trainer ranks (every rank joins the per-parameter gathers) and rank 0 streams the
-weights into the group. `export_state` is the fallback when no group can be formed: rank 0 returns the
-whole state dict, which the controller hands to the rollout workers through the object store. Both tell
+weights into the group (`sync_adapters`: the adapters alone, a LoRA run's adapter-only sync,
+serving/lora_sync.py). `export_state` (`export_adapter_state`) is the fallback when no group can be formed:
+rank 0 returns the whole state dict (the adapters), which the controller hands to the rollout workers
+through the object store. Both tell
 the worker its weights were synced (`weights_synced`: the next RL step keeps a host copy of them to
 score their tokens later, zrl.trainer.onpolicy).
 """
@@ -22,7 +24,8 @@ from pathlib import Path
 import torch
 
 from zrl.host_memory import HostPeakMemory
-from zrl.pipeline.weight_sync import SyncAddress, SyncGroup, SyncHeader, TensorSpec, bucket_layout, drain
+from zrl.pipeline.weight_sync import (AdapterState, SyncAddress, SyncGroup, SyncHeader, TensorSpec, bucket_layout,
+                                     drain)
 from zrl.trainer.settings import DTYPES
 from zrl.types import RankShare
 
@@ -123,6 +126,33 @@ class TrainerRank:
                 sent = 0
                 drain(tensors)  # every gather is collective: ranks > 0 take part in all of them
         return SyncSent(version, time.perf_counter() - start, sent, memory.peak_extra_bytes)
+
+    def sync_adapters(self, bucket_bytes: int) -> SyncSent:
+        """Adapter-only sync (serving/lora_sync.py), collective over the trainer ranks: the adapters gathered
+        module by module, rank 0 streams them as a PEFT adapter (fp32) with its config in the header."""
+        from zrl.trainer.export import adapter_tensors
+
+        version = self.worker.version
+        self.worker.weights_synced()
+        start = time.perf_counter()
+        with HostPeakMemory() as memory:
+            tensors, config = adapter_tensors(self.worker.model)
+            sent = 0
+            if self.worker.rank == 0:
+                if self._sync_group is None:
+                    raise RuntimeError("sync_adapters on rank 0 before join_sync")
+                specs = [TensorSpec(k, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()]
+                header = SyncHeader(version, bucket_layout(specs, bucket_bytes), adapter_config=config)
+                sent = self._sync_group.send(header, iter(tensors.items()))
+        return SyncSent(version, time.perf_counter() - start, sent, memory.peak_extra_bytes)
+
+    def export_adapter_state(self) -> AdapterState | None:
+        """Fallback adapter-only sync: the adapters on rank 0 (None elsewhere); collective."""
+        from zrl.trainer.export import adapter_tensors
+
+        self.worker.weights_synced()
+        tensors, config = adapter_tensors(self.worker.model)
+        return AdapterState(tensors, config) if self.worker.rank == 0 else None
 
     def export_state(self, dtype: str) -> dict[str, torch.Tensor] | None:
         """Fallback sync: the whole state dict on rank 0 (None elsewhere); collective."""

@@ -6,7 +6,8 @@ a default group: FSDP2 owns that one in a trainer rank, vLLM in a rollout worker
 
 One sync (collective: every member calls `send` or `receive` once, in the same order):
 1. the sender broadcasts a `SyncHeader`, the typed message of the sync: the policy version and the
-   layout of every bucket (name, shape and dtype of its tensors, in order), pickled into bytes;
+   layout of every bucket (name, shape and dtype of its tensors, in order), pickled into bytes (an
+   adapter-only sync of a LoRA run also carries the adapter's PEFT config: its tensors are the adapters);
 2. per bucket, one broadcast of a flat byte buffer holding its tensors back to back (each at a
    16-byte aligned offset, so any dtype can be viewed in place).
 The sender fills a bucket one gathered parameter at a time (and drops the parameter once copied); a
@@ -69,6 +70,9 @@ class SyncHeader:
 
     version: int
     buckets: tuple[tuple[TensorSpec, ...], ...]
+    # An adapter-only sync (serving/lora_sync.py): the tensors are a PEFT adapter's (its keys) and this is its
+    # adapter_config.json; None: the tensors are the full weights in HF keys.
+    adapter_config: dict | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -76,6 +80,18 @@ class SyncHeader:
 
     def names(self) -> set[str]:
         return {spec.name for bucket in self.buckets for spec in bucket}
+
+
+@dataclass(frozen=True)
+class AdapterState:
+    """An adapter-only sync through the object store: a PEFT adapter's tensors and adapter_config.json."""
+
+    tensors: dict[str, torch.Tensor]
+    config: dict
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 def bucket_layout(specs: Iterable[TensorSpec], bucket_bytes: int) -> tuple[tuple[TensorSpec, ...], ...]:
