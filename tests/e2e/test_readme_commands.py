@@ -228,12 +228,17 @@ def held_out_accuracy(run_dir: Path, stage: str) -> float:
 
 
 def test_the_main_command_learns(readme):
-    """Held-out accuracy of the RL stage's final policy against its starting policy (the SFT stage's export)."""
+    """Held-out accuracy of the RL stage's final policy against its starting policy (the SFT stage's export),
+    as the run measured it; the README's `zrl eval` of both exports printed the same figures ("The run
+    measures the same itself")."""
     run_dir = main_run(readme)
     before = held_out_accuracy(run_dir, "sft_warm_start")
     after = held_out_accuracy(run_dir, "copy_rl")
     log.info(f"held-out accuracy: SFT start {before:.3f} -> after RL {after:.3f}")
     assert after >= before + MIN_ACCURACY_RISE, (before, after)
+    printed = [json.loads(line) for line in readme["text"].splitlines() if line.startswith('[{"checkpoint": "runs/tiny-cpu-')]
+    assert [[(r["checkpoint"].split("/")[-2], r["accuracy"]) for r in p] for p in printed] == [
+        [("sft_warm_start", before), ("copy_rl", after)]], printed
 
 
 def test_the_main_commands_dashboards_hold_the_canary_series(readme):
