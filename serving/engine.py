@@ -281,7 +281,7 @@ class RolloutEngine:
             return
         self._engine.abort_request(external)
         self._rpc("discard_routing", [self._pending[k].internal_id for k in external])
-        self._release_adapters(self._pending.pop(k) for k in external)
+        self._release_adapters([self._pending.pop(k) for k in external])  # a list: popped with or without adapters
 
     def abort_all(self) -> None:
         """Drop every unfinished sample of every group (no output is returned for them)."""

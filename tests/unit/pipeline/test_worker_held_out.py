@@ -107,7 +107,9 @@ def test_evaluation_shares_the_engine_with_a_rounds_groups():
 
 
 class LoadingEngine(Engine):
-    """Also drops what is in flight and loads weights from a checkpoint directory."""
+    """Also drops what is in flight and loads weights from a checkpoint directory (no vLLM LoRA)."""
+
+    serves_adapters = False
 
     def abort_all(self):
         self.queue = []
