@@ -21,9 +21,7 @@ import argparse
 import contextlib
 import dataclasses
 import faulthandler
-import json
 import logging
-import math
 import os
 import shlex
 import signal
@@ -39,6 +37,7 @@ from zrl.config.schema import ModelSpec
 from zrl.env.registry import UnknownEnvironmentError
 from zrl.hub import ModelPathError
 from zrl.models import get_family, registered_types
+from zrl.cli_output import flat, print_json, table
 from zrl.runtime_env import apply_defaults
 
 log = logging.getLogger("zrl")
@@ -64,36 +63,6 @@ def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def _table(header: list[str], rows: list[list]) -> str:
-    """Rows under a header, each column as wide as its longest cell; numbers right-aligned."""
-    cells = [[_cell(v) for v in row] for row in [header, *rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    numeric = [bool(rows) and all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip()
-                     for row in cells) + "\n"
-
-
-def _cell(value) -> str:
-    if isinstance(value, float):
-        return "-" if math.isnan(value) else f"{value:.4g}"
-    return "-" if value is None else str(value)
-
-
-def _finite(value):
-    """`value` with NaN and infinities as None: JSON has no such numbers (json.dumps would write NaN)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _print_json(value) -> None:
-    sys.stdout.write(json.dumps(_finite(value), allow_nan=False) + "\n")
-
-
 def _entries(stage) -> list[str]:
     """Each environment entry of `stage` by its key, with the environment's name where the two differ."""
     return [key if key == spec.name else f"{key} ({spec.name})"
@@ -107,7 +76,7 @@ def cmd_validate(args) -> int:
     findings = check(recipe)
     absent = findings.missing + findings.pending
     if args.json:
-        _print_json({
+        print_json({
             "recipe": recipe.name, "ok": not findings.problems and not (args.strict and absent),
             "stages": [{"name": s.name, "kind": s.kind, "steps": s.steps, "environments": _entries(s)}
                        for s in recipe.stages],
@@ -132,12 +101,12 @@ def cmd_validate(args) -> int:
 def _summary(recipe: Recipe, findings, absent: list[tuple[str, str]]) -> str:
     """`zrl validate`'s one screen: the stages, where each model comes from, the data, what is absent here."""
     out = [f"{recipe.name}: valid, {_plural(len(recipe.stages), 'stage')}, output_dir {recipe.output_dir}\n",
-           _table(["stage", "kind", "steps", "environments"],
+           table(["stage", "kind", "steps", "environments"],
                  [[s.name, s.kind, s.steps, ", ".join(_entries(s))] for s in recipe.stages])]
     out += [f"{item}: {source}\n" for item, source in findings.models]
     files = [[stage, entry, path, status] for stage, rows in findings.data.items() for entry, path, status in rows]
     if files:
-        out.append("data files:\n" + _table(["stage", "entry", "file", "status"], files))
+        out.append("data files:\n" + table(["stage", "entry", "file", "status"], files))
     if absent:
         out.append(f"absent on this machine ({_plural(len(absent), 'item')}; a run needs them, --strict fails on "
                    "them):\n")
@@ -152,13 +121,13 @@ def cmd_envs(args) -> int:
 
     infos = [registry.get(name) for name in registry.names()]
     if args.json:
-        _print_json([{"name": i.name, "reward_type": i.reward_type, "description": i.description, "source": i.source}
+        print_json([{"name": i.name, "reward_type": i.reward_type, "description": i.description, "source": i.source}
                      for i in infos])
     elif not infos:
         sys.stdout.write("no environments registered (install a package exposing `zrl.environments` "
                          "entry points, or reference `module:Class` in a recipe)\n")
     else:
-        sys.stdout.write(_table(["name", "reward", "description"],
+        sys.stdout.write(table(["name", "reward", "description"],
                                [[i.name, i.reward_type or "-", i.description] for i in infos]))
     return 0
 
@@ -266,17 +235,6 @@ def _environment(name: str) -> str | None:
     return None
 
 
-def _flat(value: dict, prefix: str = "") -> list[list]:
-    """[key, value] rows of a nested mapping, nested keys joined by dots."""
-    rows = []
-    for key, item in value.items():
-        if isinstance(item, dict):
-            rows += _flat(item, f"{prefix}{key}.")
-        else:
-            rows.append([f"{prefix}{key}", item])
-    return rows
-
-
 def cmd_eval(args) -> int:
     from zrl.config.schema import EnvironmentSpec, RewardModelSpec
     from zrl.evaluate import EvalRequest, evaluate_checkpoints
@@ -310,9 +268,9 @@ def cmd_eval(args) -> int:
         return _error([str(exc)])
     rows = [dataclasses.asdict(r) for r in results]
     if args.json:
-        _print_json(rows if args.more else rows[0])  # one checkpoint: its object, as before several were taken
+        print_json(rows if args.more else rows[0])  # one checkpoint: its object, as before several were taken
     else:
-        sys.stdout.write("".join(_table(["result", "value"], _flat(row)) for row in rows))
+        sys.stdout.write("".join(table(["result", "value"], flat(row)) for row in rows))
     return 0
 
 
@@ -344,9 +302,9 @@ def cmd_ttc(args) -> int:
     result.write_jsonl(args.output)
     rounds = [result.round_summary(i) for i in range(config.num_rounds + 1)]
     if args.json:
-        _print_json({"rounds": rounds, "candidates": args.output})
+        print_json({"rounds": rounds, "candidates": args.output})
     else:
-        sys.stdout.write(_table(list(rounds[0]), [list(r.values()) for r in rounds]) + f"candidates: {args.output}\n")
+        sys.stdout.write(table(list(rounds[0]), [list(r.values()) for r in rounds]) + f"candidates: {args.output}\n")
     return 0
 
 
@@ -396,7 +354,7 @@ def cmd_plan(args) -> int:
         if not ratios:
             one = point(args.rollout_gpus)
             if args.json:
-                _print_json({"recipe": recipe.name, "stage": stage.name, "steps": steps, **point_summary(one)})
+                print_json({"recipe": recipe.name, "stage": stage.name, "steps": steps, **point_summary(one)})
             else:
                 sys.stdout.write(f"stage {stage.name!r}, {_plural(steps, 'simulated step')}\n{format_point(one)}\n")
             return 0
@@ -408,7 +366,7 @@ def cmd_plan(args) -> int:
         return _error([str(exc)])
     plot = plot_sweep(points, args.plot or f"plan-{recipe.name}-{stage.name}.png", f"{recipe.name}: {stage.name}")
     if args.json:
-        _print_json({"recipe": recipe.name, "stage": stage.name, "steps": steps, "trainer_gpus": trainer_gpus,
+        print_json({"recipe": recipe.name, "stage": stage.name, "steps": steps, "trainer_gpus": trainer_gpus,
                      "knee_ratio": knee(points).ratio, "points": [point_summary(p) for p in points], "plot": str(plot)})
     else:
         sys.stdout.write(f"stage {stage.name!r}, {_plural(steps, 'simulated step')}, trainer {trainer_gpus} GPU(s)\n"
