@@ -349,7 +349,7 @@ def run_fit_search(parts: list[PartResult], args: argparse.Namespace, tmp: Path,
     s = summarise(parts)
     peaks = {r["layers"]: r["peak_gib"] for r in base_runs(s["trainer"])}
     memory_gib = s["env"].get("device", {}).get("memory_gib")
-    guess = predicted_fit_layers(peaks, memory_gib)
+    guess = args.fit_from or predicted_fit_layers(peaks, memory_gib)
     most = SMOKE_FIT_MOST_LAYERS if args.smoke else FIT_MOST_LAYERS
     tried, results, stopped = [], [], "settled"
     while (layers := next_fit_layers(tried, max(peaks, default=0), guess, most)) is not None:
@@ -365,7 +365,7 @@ def run_fit_search(parts: list[PartResult], args: argparse.Namespace, tmp: Path,
             break
         tried.append((layers, "oom" not in kinds))
     fits, ooms = [n for n, ok in tried if ok], [n for n, ok in tried if not ok]
-    row = dict(kind="fit_search", predicted=guess, memory_gib=memory_gib, memory_share=FIT_MEMORY_SHARE, most=most,
+    row = dict(kind="fit_search", predicted=guess, given=args.fit_from is not None, memory_gib=memory_gib, memory_share=FIT_MEMORY_SHARE, most=most,
                tried=tried, largest_fit=max(fits + list(peaks), default=None), smallest_oom=min(ooms, default=None),
                stopped=stopped)
     return results + [PartResult("fit", "search", "ok", time.monotonic() - start, [row])]
@@ -387,6 +387,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--microbatches", type=int, default=MICROBATCHES,
                     help=f"microbatches per optimizer step of the trainer parts (default {MICROBATCHES})")
     ap.add_argument("--doc-len", type=int, default=1024, help="mean document length of the kernel table")
+    ap.add_argument("--fit-from", type=int, help="the fit search's first try (default: where the trainer parts' "
+                    "peaks predict the memory is full)")
     ap.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)  # a child process: one part
     ap.add_argument("--part-arg", default="", help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=Path, help=argparse.SUPPRESS)

@@ -314,7 +314,8 @@ def render_fit(s: dict) -> list[str]:
     lines = ["", "## Largest layer count on one GPU", ""]
     if fit is None:
         return lines + ["Not searched."]
-    guess = (f"the first guess, {fit['predicted']} layers, is where the line through the measured peaks reaches "
+    guess = (f"the first try, {fit['predicted']} layers, was given (--fit-from)" if fit.get("given") else
+             f"the first guess, {fit['predicted']} layers, is where the line through the measured peaks reaches "
              f"{fit['memory_share']:.0%} of {fit['memory_gib']:.0f} GiB" if fit["predicted"] is not None else
              "no first guess from the peaks (no device memory, or fewer than two measured peaks)")
     largest = f"**{fit['largest_fit']} layers fit**" if fit["largest_fit"] else "no layer count was found to fit"

@@ -12,6 +12,8 @@ m ← μ·m + g and NS runs on m (or on g + μ·m with Nesterov) — torch.optim
 Invariants:
 - momentum = 0 allocates no optimizer state at all for Muon parameters (not even a step count);
   `state` holds only AdamW moments (and momentum buffers when μ > 0).
+- NS is batched across parameters by shape, in batches of at most NS_BATCH_BYTES, so the step's
+  transient memory does not grow with the depth.
 - A matrix whose NS input has Frobenius norm <= `skip_norm` (default 0: exactly zero — an expert
   that received no tokens) is skipped entirely: no update and NO weight decay, the batched analogue
   of torch optimizers skipping a parameter whose grad is None. Decaying unrouted experts would
@@ -48,6 +50,9 @@ MUON = "muon"
 ADAMW = "adamw"
 DistributedMode = Literal["layer_sharded", "replicated"]
 _COMM_DTYPE = torch.bfloat16  # NS casts to bf16 first, so bf16 on the wire loses nothing
+# Same-shaped matrices run NS together in batches of at most this many bytes of fp32 copies
+# (`_bounded_batches`): a [48, 2048, 4096] batch, three ZAYA1 layers' expert matrices.
+NS_BATCH_BYTES = 3 << 30
 # Hyperparameter defaults are the recipe schema's (the one place defaults are written).
 _MUON_SPEC, _ADAMW_SPEC = MuonSpec(), AdamWSpec()
 
@@ -384,15 +389,32 @@ def _orthogonalize(jobs: list[tuple[torch.Tensor, dict[str, Any]]], stats: MuonS
             key = (mats.shape[-2], mats.shape[-1], group["ns_steps"], tuple(group["ns_coefficients"]), group["eps"])
             buckets[key].append((j, keep))
     for (m, n, steps, coefficients, eps), members in buckets.items():
-        stacked = torch.cat([jobs[j][0][keep] for j, keep in members])  # [ΣB, m, n]
-        out = newton_schulz(stacked, steps, coefficients, eps)
-        stats.ns_flops += ns_flops(stacked.shape, steps)
-        stats.matrices += stacked.shape[0]
-        offset = 0
-        for j, keep in members:
-            results[j][0][keep] = out[offset:offset + keep.numel()]
-            offset += keep.numel()
+        for batch in _bounded_batches(members, m * n * 4):
+            stacked = torch.cat([jobs[j][0][keep] for j, keep in batch])  # [ΣB, m, n]
+            out = newton_schulz(stacked, steps, coefficients, eps)
+            stats.ns_flops += ns_flops(stacked.shape, steps)
+            stats.matrices += stacked.shape[0]
+            offset = 0
+            for j, keep in batch:
+                results[j][0][keep] = out[offset:offset + keep.numel()]
+                offset += keep.numel()
     return results
+
+
+def _bounded_batches(members: list[tuple[int, torch.Tensor]], fp32_bytes_per_matrix: int) -> list[list]:
+    """`members` in consecutive runs of at most NS_BATCH_BYTES of fp32 matrices (a job larger than that
+    is a run of its own). NS makes fp32 and bf16 copies of its whole batch, so one batch of every
+    same-shaped matrix grows with the depth: at 34 ZAYA1 layers its fp32 copy of the expert matrices
+    alone was 17 GiB, the allocation a one-GPU trainer step ran out of memory on (H200, 2026-11-28)."""
+    batches, size = [], 0
+    for j, keep in members:
+        nbytes = keep.numel() * fp32_bytes_per_matrix
+        if not batches or size + nbytes > NS_BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append((j, keep))
+        size += nbytes
+    return batches
 
 
 def _apply_muon_update(item: _MuonItem) -> None:

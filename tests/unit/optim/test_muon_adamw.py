@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from zrl.optim import AdamWHyperparams, MuonAdamW, MuonHyperparams
+from zrl.optim import AdamWHyperparams, MuonAdamW, MuonHyperparams, muon_adamw
 
 
 def _pm1(shape, seed):
@@ -246,3 +246,32 @@ def test_bad_hyperparams_and_mode_raise():
     with pytest.raises(ValueError, match="distributed_mode"):
         MuonAdamW([{"params": [torch.randn(2, 2, requires_grad=True)], "optimizer": "muon"}],
                   distributed_mode="sharded_matmul")
+
+
+def test_newton_schulz_batches_are_bounded_and_change_no_update(monkeypatch):
+    """Same-shaped matrices run NS in batches of at most NS_BATCH_BYTES of fp32 copies (one job larger
+    than that alone), and the updates are those of one batch of everything."""
+    torch.manual_seed(11)
+    shapes = [(3, 6, 10), (6, 10), (2, 6, 10), (6, 10), (5, 6, 10)]  # 12 matrices of 6 x 10
+    grads = [torch.randn(s) for s in shapes]
+
+    def step(budget_matrices: int) -> tuple[list[torch.Tensor], list[int]]:
+        monkeypatch.setattr(muon_adamw, "NS_BATCH_BYTES", budget_matrices * 6 * 10 * 4)
+        params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        batches = []
+        real = muon_adamw.newton_schulz
+        monkeypatch.setattr(muon_adamw, "newton_schulz", lambda x, *a: batches.append(x.shape[0]) or real(x, *a))
+        opt = MuonAdamW([{"params": params, "optimizer": "muon", "lr": 0.05, "weight_decay": 0.1}])
+        opt.step()
+        monkeypatch.setattr(muon_adamw, "newton_schulz", real)
+        assert opt.last_muon_stats.matrices == 12
+        return [p.detach() for p in params], batches
+
+    whole, whole_batches = step(budget_matrices=100)
+    bounded, bounded_batches = step(budget_matrices=4)
+    assert whole_batches == [12]
+    assert bounded_batches == [4, 3, 5]  # (3 + 1), (2 + 1), then the 5-expert job alone though over 4
+    for w, b in zip(whole, bounded):
+        assert torch.equal(w, b)
