@@ -160,6 +160,13 @@ def drive_lm_head_grad_parts(with_entropy: bool, c: int = 1024, v: int = ZAYA1["
                row if with_entropy else None, list(sequence))
 
 
+def drive_lm_head_row_stats(with_entropy: bool, c: int = 1024, v: int = ZAYA1["V"]) -> None:
+    """The fused head loss's log-sum-exp and entropy pass (lm_logprobs/grad_parts_kernel.py) on one chunk."""
+    from zrl.modeling.kernels.lm_logprobs.grad_parts_kernel import row_stats
+
+    row_stats(_meta(c, v, dtype=fp32), with_entropy)
+
+
 def _production() -> list[Driver]:
     """bf16 is the training dtype; fp32 wherever the launcher takes it."""
     def prod(op, label, run, trainer=False):
@@ -180,6 +187,8 @@ def _production() -> list[Driver]:
         prod("lm_logprobs", "bf16 hidden+W", lambda: drive_lm_logprobs(bf16, bf16)),
         prod("lm_logprobs", "fused head: G parts", lambda: drive_lm_head_grad_parts(False), trainer=True),
         prod("lm_logprobs", "fused head: G parts, entropy term", lambda: drive_lm_head_grad_parts(True)),
+        prod("lm_logprobs", "fused head: lse", lambda: drive_lm_head_row_stats(False), trainer=True),
+        prod("lm_logprobs", "fused head: lse, entropy", lambda: drive_lm_head_row_stats(True), trainer=True),
     ]
 
 
@@ -321,8 +330,9 @@ def token_drivers() -> dict[str, Callable[[int], None]]:
         drive_lm_logprobs(fp32, bf16, t, floor=True)
         # the fused head loss (the trainer's RL loss): chunks of 1024 tokens, the last one T mod 1024
         for c in {min(1024, t), t % 1024} - {0}:
-            drive_lm_head_grad_parts(True, c)
-            drive_lm_head_grad_parts(False, c)
+            for with_entropy in (True, False):
+                drive_lm_head_row_stats(with_entropy, c)
+                drive_lm_head_grad_parts(with_entropy, c)
 
     return {
         "experts": lambda t: drive_experts(bf16, t),

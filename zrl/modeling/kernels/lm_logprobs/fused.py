@@ -163,6 +163,12 @@ class FusedSplitProducts:
 
         return grad_parts(z, lse, targets, g_lp, g_ent, mean, self.grad_sequence)
 
+    def row_stats(self, z: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_row_stats` in one kernel pass over z (grad_parts_kernel.py)."""
+        from zrl.modeling.kernels.lm_logprobs.grad_parts_kernel import row_stats
+
+        return row_stats(z, with_entropy)
+
     def grad_hidden(self, parts: torch.Tensor) -> torch.Tensor:
         """[c, D] fp32: sum of G_i W_j over `h_pairs`, one M-stacked GEMM per weight part."""
         c, out = parts.shape[1], None
@@ -177,6 +183,17 @@ class FusedSplitProducts:
         k = len(self.dw_hidden)
         hidden = torch.cat([self.h_parts[j][sl] for j in self.dw_hidden])  # [k c, D], a small copy
         return _gemm(parts[:k].flatten(0, 1).t(), hidden, grad_weight)
+
+
+def _row_stats(z: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(lse [c], entropy [c] or None) of the logits z [c, V] (-inf outside the support, where p = 0), in a
+    few PyTorch passes; on CUDA `FusedSplitProducts.row_stats` makes one."""
+    lse = torch.logsumexp(z, dim=-1)
+    if not with_entropy:
+        return lse, None
+    gap = lse[:, None] - z  # -log p, +inf outside the support
+    terms = torch.exp(-gap).mul_(gap)
+    return lse, terms.masked_fill_(gap == float("inf"), 0.0).sum(dim=-1)
 
 
 def _grad_logits_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g_lp: torch.Tensor,
@@ -210,16 +227,10 @@ class FusedHeadLoss(torch.autograd.Function):
             dropped = None if floor is None else ~supported(z, floor[sl], y)
             if dropped is not None:
                 z.masked_fill_(dropped, float("-inf"))
-            lse = torch.logsumexp(z, dim=-1)  # [c]
+            stats = head.row_stats if getattr(head, "parts_kernel", False) else _row_stats
+            lse, entropy = stats(z, with_entropy)  # [c], [c] or None
             logprob = (z.gather(1, y.clamp_min(0)[:, None])[:, 0] - lse).masked_fill(y < 0, 0.0)
-            entropy = mean = None
-            if with_entropy:
-                gap = lse[:, None] - z  # -log p, +inf outside the support
-                terms = torch.exp(-gap) * gap
-                if dropped is not None:
-                    terms.masked_fill_(dropped, 0.0)
-                entropy = terms.sum(dim=-1)
-                mean = lse - entropy  # E_p[z]
+            mean = None if entropy is None else lse - entropy  # E_p[z]
             loss_t, g_lp, g_ent = token_grad(sl, logprob, entropy)
             if g_ent is not None and entropy is None:
                 raise ValueError("token_grad returned an entropy gradient but with_entropy is False")

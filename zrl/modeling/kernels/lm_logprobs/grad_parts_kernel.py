@@ -1,7 +1,15 @@
-"""One elementwise pass per chunk of the fused head loss: the logit gradient's bf16 parts written straight
-from the logits (fused.py's `_grad_logits_` + `FusedSplitProducts.grad_operand`, in one Triton kernel).
+"""The fused head loss's two elementwise passes per chunk, one Triton kernel each: the rows' log-sum-exp and
+entropy (`row_stats`), then the logit gradient's bf16 parts written straight from the logits (`grad_parts`,
+fused.py's `_grad_logits_` + `FusedSplitProducts.grad_operand`).
 
-Per logit z[r, v] of a chunk ([c, V] fp32; -inf outside a token's support):
+`row_stats`: one read of a row of z [c, V] fp32 (-inf outside a token's support), online over the
+vocabulary with a running maximum m per lane, as in flash attention:
+  s = sum exp(z - m),  u = sum exp(z - m) (m - z)     (u >= 0: no cancellation)
+  lse = m + log s,     entropy = sum p (lse - z) = log s + u / s
+One exponential per logit: when z > m the new maximum is z and the old sums are scaled instead. The
+PyTorch formulation (logsumexp, then -gap, exp, multiply, sum) makes ~10 passes over [c, V].
+
+`grad_parts`, per logit z[r, v] of a chunk:
   p = exp(z - lse[r]);  G = g_lp[r] (1[v = y_r] - p) - g_ent[r] p (z - mean[r])   (entropy term optional)
   hi = bf16(G), mid = bf16(G - hi), lo = bf16(G - hi - mid)   (round to nearest even, exact remainders)
 and each part goes to the [c, V] blocks of the output that `sequence` names (e.g. [hi, mid, hi]): one read
@@ -9,8 +17,8 @@ of z (4 B per logit), one write per block (2 B), where the PyTorch formulation m
 
 The parts are rounded with integer arithmetic on the fp32 bits and stored as int16 bit patterns into a
 bf16 buffer viewed as int16: the same rounding as `Tensor.to(torch.bfloat16)`, and exact under Triton's CPU
-interpreter, which gets bf16 arithmetic wrong. Grid [c, V / BLOCK_V]; the chunk size c and V are not
-specialised on, so a microbatch's last (shorter) chunk compiles nothing new.
+interpreter, which gets bf16 arithmetic wrong. Neither kernel specialises on the chunk size c or V, so a
+microbatch's last (shorter) chunk compiles nothing new.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import triton
 import triton.language as tl
 
 BLOCK_V = 1024
+STATS_BLOCK, STATS_WARPS = 2048, 8  # row_stats: lanes of one row's program (8 logits per thread a step)
 MAX_BLOCKS = 4  # output blocks a launch writes (the fused head's sequences: [hi, mid, hi], [hi, mid], [hi], ...)
 
 
@@ -102,3 +111,41 @@ def grad_parts(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g_lp: 
 
 def _at(sequence: list[int], k: int) -> int:
     return sequence[k] if k < len(sequence) else -1
+
+
+@triton.jit(do_not_specialize=["vocab"])
+def _row_stats_kernel(z_ptr, lse_ptr, ent_ptr, vocab, HAS_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    row = z_ptr + r.to(tl.int64) * vocab
+    cols = tl.arange(0, BLOCK)
+    # a finite start, so that (z - m) and (m - z) stay finite for the first real logit of a lane
+    m = tl.full([BLOCK], -3.0e38, tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    u = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab, BLOCK):
+        z = tl.load(row + start + cols, mask=start + cols < vocab, other=float("-inf"))
+        dead = z == float("-inf")  # outside the support (or past V): no term
+        z = tl.where(dead, m, z)
+        up = z > m
+        e = tl.where(dead, 0.0, tl.exp(-tl.abs(z - m)))  # exp(z - m) or, for a new maximum, exp(m - z)
+        if HAS_ENTROPY:
+            u = tl.where(up, e * (u + (z - m) * s), u + e * (m - z))
+        s = tl.where(up, s * e + 1.0, s + e)
+        m = tl.where(up, z, m)
+    top = tl.max(m, 0)
+    scale = tl.exp(m - top)
+    total = tl.sum(s * scale, 0)
+    tl.store(lse_ptr + r, top + tl.log(total))
+    if HAS_ENTROPY:
+        tl.store(ent_ptr + r, tl.log(total) + tl.sum(scale * (u + (top - m) * s), 0) / total)
+
+
+def row_stats(z: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(lse [c], entropy [c] or None), fp32, of the logits z [c, V] fp32 (see the module docstring)."""
+    rows, vocab = z.shape
+    lse = torch.empty(rows, dtype=torch.float32, device=z.device)
+    entropy = torch.empty_like(lse) if with_entropy else None
+    if rows:
+        _row_stats_kernel[(rows,)](z.contiguous(), lse, lse if entropy is None else entropy, vocab,
+                                   HAS_ENTROPY=with_entropy, BLOCK=STATS_BLOCK, num_warps=STATS_WARPS)
+    return lse, entropy

@@ -311,6 +311,39 @@ def test_fused_head_with_the_parts_kernel_equals_the_pytorch_passes():
                                         chunk_tokens=4, with_entropy=True)
         loss.backward()
         results.append((loss.detach(), lp, ent, h.grad, w.grad.float()))
-    # measured: loss, logprob, entropy equal; dh 2.4e-7, dW 9.5e-7 (values up to 8.1): G's last bit (exp)
+    # measured: logprob equal; loss 3.8e-6 (of 9.0), entropy 9.5e-7, dh 5.3e-7, dW 3.1e-5 (values up to
+    # 8.1): the kernels' online sums and exp's last bit in G
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["", "entropy"])
+def test_row_stats_kernel_against_float64(with_entropy):
+    """Triton's CPU interpreter: lse and entropy of one online pass against float64 and against the PyTorch
+    passes, with rows of -inf logits (a floor), a peaked row, large logits and a partial last block."""
+    from zrl.modeling.kernels.lm_logprobs.fused import _row_stats
+    from zrl.modeling.kernels.lm_logprobs.grad_parts_kernel import STATS_BLOCK, row_stats
+
+    gen = torch.Generator().manual_seed(0)
+    c, v = 6, 2 * STATS_BLOCK + 300
+    z = torch.randn(c, v, generator=gen) * 4
+    z[1, 100:3000] = -math.inf  # a floor: p = 0 there
+    z[2, :] = -math.inf
+    z[2, 7] = 3.0  # one token of support: entropy 0
+    z[3] += 60.0  # large logits
+    z[4, 4000] = 40.0  # peaked: entropy near 0
+    z[5, : v // 2] = -math.inf  # the first blocks hold nothing
+    lse, entropy = row_stats(z, with_entropy)
+    want_lse, want_entropy = _row_stats(z.double(), with_entropy)
+    torch_lse, torch_entropy = _row_stats(z, with_entropy)
+    assert lse.dtype == torch.float32 and lse.shape == (c,)
+    # measured: lse within 2.7e-8 (relative) of float64, as the PyTorch passes; entropy (values up to 3.8)
+    # within 1.2e-7 of it, the PyTorch passes within 2.3e-6 (the large-logit row: lse - z cancels there)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=2 ** -23, atol=0)
+    torch.testing.assert_close(torch_lse.double(), want_lse, rtol=2 ** -23, atol=0)
+    if with_entropy:
+        assert entropy[2] == 0
+        torch.testing.assert_close(entropy.double(), want_entropy, rtol=0, atol=5e-7)
+        torch.testing.assert_close(torch_entropy.double(), want_entropy, rtol=0, atol=4e-6)
+    else:
+        assert entropy is None and torch_entropy is None
