@@ -212,27 +212,25 @@ def attention_work(s: Shape, doc_lens: Sequence[int], act: int) -> Work:
 
 FLASH_BWD_EXECUTED = 1.25  # a flash attention backward runs 5 [S, S] products to the forward's 2: 2.5x, not 2x
 
-# The LM head as CUDA runs it (zrl/modeling/kernels/lm_logprobs/library.py), in bf16 GEMM-equivalents of
-# 2 T V D: the fp32 hidden state split into three exact bf16 parts, so one fp32-accurate product with the
-# bf16 weight costs 3. Forward 3; backward 9: the logits recomputed (3), dh = G W with G in three parts
-# (3), dW = G^T h with two parts of each, first-order terms (3, one GEMM of K = 3c).
-LM_HEAD_DOTS = (3, 9)
-# Bytes per element of the [T, V] logits that the library formulation moves through HBM in its passes
-# over fp32 [c, V] blocks (eager PyTorch, no entropy), GEMM outputs and block operands included:
-#   forward 44: logits 20 (mm writes 4, two addmm read and write 8 each), logsumexp 24 (amax reads 4,
-#     x - max reads 4 writes 4, exp_ reads 4 writes 4, sum reads 4).
-#   backward 134: logits 20; G in place 24 (sub_, exp_, mul_: 8 each); G's three bf16 parts 66 (each
-#     part a cast (6) and an fp32 remainder (12) or its widening (6), and the stack 12); the dh GEMMs
-#     read the parts 6; dW's stacked [3c, V] copy 12 and its GEMM's read 6.
-LM_HEAD_BLOCK_BYTES = (44, 134)
+# The LM head as the RL loss runs it on CUDA, fused with the loss (zrl/modeling/kernels/lm_logprobs/fused.py),
+# in bf16 GEMM-equivalents of 2 T V D: the fp32 hidden state in three exact bf16 parts against the bf16
+# weight. All in the forward: the logits 3 (K-stacked), dh = G W with G's parts [hi, mid] 2, dW = G^T h,
+# first-order part pairs 3 (K = 3c); the backward only scales the saved dh and dW. (The unfused library
+# op, lm_logprobs/library.py, runs 3 + 9: the backward recomputes the logits.)
+LM_HEAD_DOTS = (8, 0)
+# Bytes per element of the [T, V] logits that the fused head moves through HBM over its fp32 [c, V]
+# blocks, GEMM outputs and block operands included, with its two Triton passes (grad_parts_kernel.py):
+# the logits GEMM writes 4, row_stats reads 4, grad_parts reads 4 and writes [hi, mid, hi] 6, the dh GEMM
+# reads its two parts 4 and the dW GEMM its three 6. (The library op's eager passes: 44 + 134.)
+LM_HEAD_BLOCK_BYTES = (28, 0)
 
 
 def lm_head_split_work(s: Shape, tokens: int, act: int, dots: tuple[int, int] = LM_HEAD_DOTS) -> Work:
     """The LM head's GEMMs as executed with `dots` = (forward, backward) bf16 GEMM-equivalents of 2 T V D
     FLOPs each (LM_HEAD_DOTS). Bytes: the GEMMs' operands outside the [T, V] blocks (lm_head_block_work
-    has those): forward hidden T D 4, weight V D a, targets and log-probs 12 T; backward hidden and
-    weight read twice, dh written T D 4, dW accumulated in fp32 V D 4 and cast V D (4 + a), targets,
-    lse and dlogprob 16 T."""
+    has those), as the unfused op splits them (the fused head moves about the same, all in its forward):
+    forward hidden T D 4, weight V D a, targets and log-probs 12 T; backward hidden and weight read twice,
+    dh written T D 4, dW accumulated in fp32 V D 4 and cast V D (4 + a), targets, lse and dlogprob 16 T."""
     gemm, vd, td = 2.0 * tokens * s.V * s.D, s.V * s.D, tokens * s.D
     return Work(flops_fwd=dots[0] * gemm, flops_bwd=dots[1] * gemm, bytes_fwd=float(td * 4 + vd * act + 12 * tokens),
                 bytes_bwd=float(2 * (td * 4 + vd * act) + td * 4 + vd * (8 + act) + 16 * tokens))
@@ -240,9 +238,9 @@ def lm_head_split_work(s: Shape, tokens: int, act: int, dots: tuple[int, int] = 
 
 def lm_head_block_work(s: Shape, tokens: int) -> Work:
     """The LM head's elementwise passes over its fp32 [c, V] blocks (LM_HEAD_BLOCK_BYTES per element of
-    the [T, V] logits); FLOPs: ~10 per element forward (max, subtract, exp, sum), ~30 backward."""
+    the [T, V] logits); FLOPs: ~20 per element (the row statistics' max, exp, sums; p and G and its parts)."""
     tv = float(tokens * s.V)
-    return Work(flops_fwd=10 * tv, flops_bwd=30 * tv, bytes_fwd=LM_HEAD_BLOCK_BYTES[0] * tv,
+    return Work(flops_fwd=20 * tv, flops_bwd=0.0, bytes_fwd=LM_HEAD_BLOCK_BYTES[0] * tv,
                 bytes_bwd=LM_HEAD_BLOCK_BYTES[1] * tv)
 
 
