@@ -318,9 +318,9 @@ def test_fused_head_with_the_parts_kernel_equals_the_pytorch_passes():
 
 
 @pytest.mark.parametrize("with_entropy", [False, True], ids=["", "entropy"])
-def test_row_stats_kernel_against_float64(with_entropy):
-    """Triton's CPU interpreter: lse and entropy of one online pass against float64 and against the PyTorch
-    passes, with rows of -inf logits (a floor), a peaked row, large logits and a partial last block."""
+def test_row_stats_kernel_against_float64(with_entropy, device):
+    """lse and entropy of one online pass (Triton's CPU interpreter, or CUDA) against float64 and against the
+    PyTorch passes, with rows of -inf logits (a floor), a peaked row, large logits and a partial last block."""
     from zrl.modeling.kernels.lm_logprobs.fused import _row_stats
     from zrl.modeling.kernels.lm_logprobs.grad_parts_kernel import STATS_BLOCK, row_stats
 
@@ -333,12 +333,13 @@ def test_row_stats_kernel_against_float64(with_entropy):
     z[3] += 60.0  # large logits
     z[4, 4000] = 40.0  # peaked: entropy near 0
     z[5, : v // 2] = -math.inf  # the first blocks hold nothing
-    lse, entropy = row_stats(z, with_entropy)
+    lse, entropy = (t if t is None else t.cpu() for t in row_stats(z.to(device), with_entropy))
     want_lse, want_entropy = _row_stats(z.double(), with_entropy)
     torch_lse, torch_entropy = _row_stats(z, with_entropy)
     assert lse.dtype == torch.float32 and lse.shape == (c,)
     # measured: lse within 2.7e-8 (relative) of float64, as the PyTorch passes; entropy (values up to 3.8)
-    # within 1.2e-7 of it, the PyTorch passes within 2.3e-6 (the large-logit row: lse - z cancels there)
+    # within 1.2e-7 of it, the PyTorch passes within 2.3e-6 (the large-logit row: lse - z cancels there).
+    # Interpreter figures; CUDA's exp and log differ in the last bits and have not been measured yet.
     torch.testing.assert_close(lse.double(), want_lse, rtol=2 ** -23, atol=0)
     torch.testing.assert_close(torch_lse.double(), want_lse, rtol=2 ** -23, atol=0)
     if with_entropy:
