@@ -1,62 +1,33 @@
 """RL objective library: group advantages, length reward, token-level trust regions, loss aggregation.
 
 Pure functions on numpy (per-group rewards, [G]) and torch (per-token tensors, [T] or [B, S]);
-formulas, sources and decisions are in README.md beside this file.
+formulas, sources and decisions are in README.md beside this file. Names are exported lazily so that
+the numpy half (the buffer's scoring) does not import torch.
 """
 
-from zrl.algorithms.advantages import (
-    ADVANTAGE_NAMES,
-    AdvantageName,
-    DynamicSamplingResult,
-    compute_advantages,
-    drgrpo_advantages,
-    filter_zero_variance_groups,
-    grpo_advantages,
-    maxrl_advantages,
-)
-from zrl.algorithms.aggregation import (
-    AGGREGATION_NAMES,
-    AggregationName,
-    aggregate_loss,
-    local_counts,
-    seq_mean_token_mean,
-    seq_mean_token_sum_norm,
-    token_mean,
-    token_weights,
-)
-from zrl.algorithms.length_reward import (
-    SolveRateFrontier,
-    length_coef,
-    length_gate,
-    length_lambdas,
-    length_rewards,
-    tolerant_lambdas,
-)
-from zrl.algorithms.scoring import GroupScore, score_group
-from zrl.algorithms.trust_region import (
-    TRUST_REGION_NAMES,
-    PolicyLoss,
-    TrustRegionName,
-    TrustRegionStats,
-    binary_kl,
-    binary_kl_keep_mask,
-    binary_tv_keep_mask,
-    dppo_binary_kl_loss,
-    dppo_binary_tv_loss,
-    policy_loss,
-    policy_loss_grad,
-    ppo_clip_loss,
-    token_separable,
-    truncated_is_weight,
-)
+import importlib
 
-__all__ = [
-    "ADVANTAGE_NAMES", "AGGREGATION_NAMES", "TRUST_REGION_NAMES",
-    "AdvantageName", "AggregationName", "TrustRegionName",
-    "DynamicSamplingResult", "GroupScore", "PolicyLoss", "SolveRateFrontier", "TrustRegionStats",
-    "aggregate_loss", "binary_kl", "binary_kl_keep_mask", "binary_tv_keep_mask", "compute_advantages",
-    "dppo_binary_kl_loss", "dppo_binary_tv_loss", "drgrpo_advantages", "filter_zero_variance_groups",
-    "grpo_advantages", "length_coef", "length_gate", "length_lambdas", "length_rewards", "local_counts",
-    "maxrl_advantages", "policy_loss", "policy_loss_grad", "ppo_clip_loss", "score_group", "seq_mean_token_mean", "seq_mean_token_sum_norm",
-    "token_mean", "token_separable", "token_weights", "tolerant_lambdas", "truncated_is_weight",
-]
+_EXPORTS = {
+    "ADVANTAGE_NAMES": "advantages", "AdvantageName": "advantages", "DynamicSamplingResult": "advantages",
+    "compute_advantages": "advantages", "drgrpo_advantages": "advantages",
+    "filter_zero_variance_groups": "advantages", "grpo_advantages": "advantages", "maxrl_advantages": "advantages",
+    "AGGREGATION_NAMES": "aggregation", "AggregationName": "aggregation", "aggregate_loss": "aggregation",
+    "local_counts": "aggregation", "seq_mean_token_mean": "aggregation", "seq_mean_token_sum_norm": "aggregation",
+    "token_mean": "aggregation", "token_weights": "aggregation",
+    "SolveRateFrontier": "length_reward", "length_coef": "length_reward", "length_gate": "length_reward",
+    "length_lambdas": "length_reward", "length_rewards": "length_reward", "tolerant_lambdas": "length_reward",
+    "GroupScore": "scoring", "score_group": "scoring",
+    "TRUST_REGION_NAMES": "trust_region", "PolicyLoss": "trust_region", "TrustRegionName": "trust_region",
+    "TrustRegionStats": "trust_region", "binary_kl": "trust_region", "binary_kl_keep_mask": "trust_region",
+    "binary_tv_keep_mask": "trust_region", "dppo_binary_kl_loss": "trust_region",
+    "dppo_binary_tv_loss": "trust_region", "policy_loss": "trust_region", "policy_loss_grad": "trust_region",
+    "ppo_clip_loss": "trust_region", "token_separable": "trust_region", "truncated_is_weight": "trust_region",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'zrl.algorithms' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"zrl.algorithms.{_EXPORTS[name]}"), name)

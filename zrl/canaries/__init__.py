@@ -1,31 +1,27 @@
 """Rollout canaries: LZ77 compressibility (a reward gate), rare-token and gibberish monitors,
-engine/trainer mismatch statistics. See compressibility.py for the calibrated constants."""
+engine/trainer mismatch statistics. See compressibility.py for the calibrated constants.
+Names are exported lazily so that the numpy canaries (the rollout worker's, the buffer's) do not
+import torch.
+"""
 
-from zrl.canaries.compressibility import (
-    BYTES_PER_TOKEN,
-    CHUNK_TOKENS,
-    REPEAT_THRESHOLD,
-    CompressibilityReport,
-    StreamingCompressibility,
-    chunk_ratios,
-    compressibility_report,
-    repetition_gate,
-    sync_flush_overhead_bytes,
-    token_bytes,
-)
-from zrl.canaries.mismatch import MismatchStats, merge_mismatch_sums, mismatch_stats, mismatch_sums
-from zrl.canaries.tokens import (
-    RARE_TOKEN_BANDS,
-    gibberish_fraction,
-    gibberish_mask,
-    rare_band_start,
-    rare_token_fractions,
-)
+import importlib
 
-__all__ = [
-    "BYTES_PER_TOKEN", "CHUNK_TOKENS", "RARE_TOKEN_BANDS", "REPEAT_THRESHOLD",
-    "CompressibilityReport", "MismatchStats", "StreamingCompressibility",
-    "chunk_ratios", "compressibility_report", "gibberish_fraction", "gibberish_mask",
-    "merge_mismatch_sums", "mismatch_stats", "mismatch_sums", "rare_band_start", "rare_token_fractions",
-    "repetition_gate", "sync_flush_overhead_bytes", "token_bytes",
-]
+_EXPORTS = {
+    "BYTES_PER_TOKEN": "compressibility", "CHUNK_TOKENS": "compressibility", "REPEAT_THRESHOLD": "compressibility",
+    "CompressibilityReport": "compressibility", "StreamingCompressibility": "compressibility",
+    "chunk_ratios": "compressibility", "compressibility_report": "compressibility",
+    "repetition_gate": "compressibility", "sync_flush_overhead_bytes": "compressibility",
+    "token_bytes": "compressibility",
+    "MismatchStats": "mismatch", "merge_mismatch_sums": "mismatch", "mismatch_stats": "mismatch",
+    "mismatch_sums": "mismatch",
+    "RARE_TOKEN_BANDS": "tokens", "gibberish_fraction": "tokens", "gibberish_mask": "tokens",
+    "rare_band_start": "tokens", "rare_token_fractions": "tokens",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'zrl.canaries' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"zrl.canaries.{_EXPORTS[name]}"), name)

@@ -56,7 +56,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -68,9 +68,11 @@ from zrl.env.episodes import EpisodeOutput, EpisodeRunner, episode_verification
 from zrl.env.errors import EnvErrorLog
 from zrl.host_memory import HostPeakMemory
 from zrl.models import family_of_checkpoint
-from zrl.pipeline.weight_sync import AdapterState, SyncAddress, SyncGroup, drain
 from zrl.prompts import Assignment, PromptSource, build_entries
 from zrl.types import Prompt, Rollout, Verification, rollout_array_bytes, stream_group_id
+
+if TYPE_CHECKING:  # imported where used: the verifiers and the buffer load this module (its groups) without torch
+    from zrl.pipeline.weight_sync import SyncAddress, SyncGroup
 
 
 # With nothing to decode, how long the worker waits for an environment's reply before it looks at its
@@ -365,8 +367,10 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ weights
 
-    def join_sync(self, address: SyncAddress, group_rank: int) -> None:
+    def join_sync(self, address: "SyncAddress", group_rank: int) -> None:
         """Join the trainer's weight-sync group (blocks until every member has joined)."""
+        from zrl.pipeline.weight_sync import SyncGroup
+
         self.leave_sync()
         self._sync_group = SyncGroup(address, group_rank)
 
@@ -378,6 +382,7 @@ class RolloutWorker:
     def receive_weights(self) -> SyncReceived:
         """Take one streamed sync from the group and load it in place as it arrives."""
         from serving.worker_ext import WeightStream
+        from zrl.pipeline.weight_sync import drain
 
         if self._sync_group is None:
             raise RuntimeError(f"rollout worker {self.worker_index} is in no weight-sync group")
@@ -395,6 +400,8 @@ class RolloutWorker:
 
     def update_weights(self, state_dict, version: int) -> SyncReceived:
         """Fallback sync: load a whole state dict (or an object reference to one) in place."""
+        from zrl.pipeline.weight_sync import AdapterState
+
         start = time.perf_counter()
         with HostPeakMemory() as memory:
             if isinstance(state_dict, AdapterState):  # an adapter-only sync's (Ray resolved the reference)

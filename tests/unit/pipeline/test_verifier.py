@@ -1,6 +1,8 @@
 """Verifier in-process: a hung verify call costs its own rollout a timeout and nothing more; the calls
 behind it run on a fresh thread, and abandoned threads are counted until they end."""
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -128,3 +130,11 @@ def test_a_multi_turn_group_keeps_the_rewards_its_episodes_earned():
     text = group("k", "a", "b")
     verified = verifier().verify_text(GroupText(text.prompt, text.texts, episodes))
     assert verified.verifications == episodes and verified.timeouts == 0
+
+
+def test_the_verifier_and_the_buffer_load_what_they_are_sent_without_torch():
+    """The verifiers and the buffer unpickle groups of zrl.pipeline.rollout_worker and score with
+    zrl.algorithms and zrl.canaries; none of these imports torch (~1.2 CPU-s per actor start)."""
+    code = ("import sys, zrl.pipeline.verifier, zrl.buffer, zrl.pipeline.rollout_worker; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
