@@ -5,7 +5,7 @@ formulas, sources and decisions are in README.md beside this file. Names are exp
 the numpy half (the buffer's scoring) does not import torch.
 """
 
-import importlib
+from zrl.lazy_exports import module_getattr
 
 _EXPORTS = {
     "ADVANTAGE_NAMES": "advantages", "AdvantageName": "advantages", "DynamicSamplingResult": "advantages",
@@ -26,8 +26,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'zrl.algorithms' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"zrl.algorithms.{_EXPORTS[name]}"), name)
+__getattr__ = module_getattr(__name__, _EXPORTS)

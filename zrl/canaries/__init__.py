@@ -4,7 +4,7 @@ Names are exported lazily so that the numpy canaries (the rollout worker's, the 
 import torch.
 """
 
-import importlib
+from zrl.lazy_exports import module_getattr
 
 _EXPORTS = {
     "BYTES_PER_TOKEN": "compressibility", "CHUNK_TOKENS": "compressibility", "REPEAT_THRESHOLD": "compressibility",
@@ -20,8 +20,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'zrl.canaries' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"zrl.canaries.{_EXPORTS[name]}"), name)
+__getattr__ = module_getattr(__name__, _EXPORTS)

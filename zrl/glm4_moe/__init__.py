@@ -7,7 +7,7 @@ See zrl/glm4_moe/README.md. Names are exported lazily so that `import zrl.glm4_m
 import torch.
 """
 
-import importlib
+from zrl.lazy_exports import module_getattr
 
 _EXPORTS = {
     "Glm4MoEFamily": "family",
@@ -18,8 +18,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'zrl.glm4_moe' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"zrl.glm4_moe.{_EXPORTS[name]}"), name)
+__getattr__ = module_getattr(__name__, _EXPORTS)

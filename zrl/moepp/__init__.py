@@ -8,7 +8,7 @@ exported lazily so that `import zrl.moepp.config` (the vLLM plugin, recipe valid
 import torch.
 """
 
-import importlib
+from zrl.lazy_exports import module_getattr
 
 _EXPORTS = {
     "hf_state_dict": "checkpoint", "load_hf_checkpoint": "checkpoint", "save_hf_checkpoint": "checkpoint",
@@ -20,8 +20,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'zrl.moepp' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"zrl.moepp.{_EXPORTS[name]}"), name)
+__getattr__ = module_getattr(__name__, _EXPORTS)

@@ -5,7 +5,7 @@ See zrl/qwen3_moe/README.md (public API, routing record layout). Names are expor
 `import zrl.qwen3_moe.config` does not import torch.
 """
 
-import importlib
+from zrl.lazy_exports import module_getattr
 
 _EXPORTS = {
     "hf_state_dict": "checkpoint", "load_hf_checkpoint": "checkpoint", "save_hf_checkpoint": "checkpoint",
@@ -17,8 +17,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'zrl.qwen3_moe' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"zrl.qwen3_moe.{_EXPORTS[name]}"), name)
+__getattr__ = module_getattr(__name__, _EXPORTS)

@@ -15,7 +15,7 @@ Public API (see worker.py for the step, checkpoint and export semantics):
 Names are exported lazily so `zrl.trainer.packing` stays importable without torch.
 """
 
-import importlib
+from zrl.lazy_exports import module_getattr
 
 _EXPORTS = {
     "PackingPlan": "packing", "plan_microbatches": "packing",
@@ -28,8 +28,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'zrl.trainer' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"zrl.trainer.{_EXPORTS[name]}"), name)
+__getattr__ = module_getattr(__name__, _EXPORTS)
