@@ -143,13 +143,12 @@ def cache_env() -> dict[str, str]:
     env.setdefault("WANDB_MODE", "offline")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Bytecode of what the commands import, written once on first import (setup compiles nothing), in a
+    # tree of its own: even where the shell says not to write bytecode next to the sources.
+    env.setdefault("PYTHONPYCACHEPREFIX", str(CACHE / "pycache"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PATH"] = f"{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     return env
-
-
-def site_packages(python: str) -> Path:
-    """The site-packages directory of the virtualenv whose interpreter is `python` (existing or not)."""
-    return Path(python).parent.parent / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
 
 
 def step(cmd: list[str], dry_run: bool, **kwargs) -> None:
@@ -182,13 +181,10 @@ def setup(extras: str = "cpu,dev", dry_run: bool = False) -> bool:
     log(f"installing zrl and its pinned dependencies, {'GPU' if gpu else 'CPU'} stack (first time: a few GB, "
         "a few minutes)")
     step(pip + ["install", "--upgrade", "pip"], dry_run)
-    # pip compiles every installed module to bytecode one file at a time (~55 of its ~107 s on the 2-core
-    # box); compileall does the same on every core after the install (~45 s there; set-up 118 -> 111 s,
-    # 2026-11-28). Its exit status is not checked: a module that does not compile (func_timeout's Python 2
-    # file, torch's Python 3.12 test helper) is skipped, as pip skips it.
+    # No bytecode at install time: pip would compile all ~34,000 modules one file at a time (~55 s on the
+    # 2-core box), compileall on every core ~44 s, and the test suite reads ~11,000 of them. Python writes
+    # the bytecode of what is imported, on first import, under .cache/pycache (`cache_env`).
     step(pip + ["install", "-e", f"{ROOT}[{extras}]", "--no-compile"], dry_run)
-    step([py, "-m", "compileall", "-q", "-j", "0", str(site_packages(py))], dry_run, check=False,
-         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if not gpu:
         log("removing CUDA builds of " + ", ".join(BROKEN_ON_CPU) + " (they break `import transformers` on CPU)")
         step(pip + ["uninstall", "-y", *BROKEN_ON_CPU], dry_run)
