@@ -21,7 +21,7 @@ GEMM_GOAL = 0.70
 # The fp32-level LM head does 12 bf16 GEMM-equivalents forward + backward where transformers' bf16 head
 # does 3: at equal GEMM efficiency it runs at 1/4 of that head's speed.
 LM_HEAD_GOAL = 0.25
-# The head fused with the loss (what the trainer runs for its RL loss; 8 GEMM-equivalents): forward +
+# The head fused with the loss (what the trainer runs for its RL loss; 5 GEMM-equivalents): forward +
 # backward within 1.5x of transformers' bf16 head (issue 43's target).
 FUSED_HEAD_GOAL = 1.5
 MFU_GOAL_MEASURED = 0.20  # of the data sheet, measured at the probe's smallest layer count (MFU_GOAL: projected)

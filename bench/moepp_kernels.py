@@ -9,8 +9,9 @@ router latent R 256, V 262,272) against, in the same run and with the same weigh
   transformers  the same piece of transformers' ZayaForCausalLM (ZayaExperts, ZayaRouter,
                 ZayaResidualScaling + ZayaRMSNorm, ZayaCCAProjection + ZayaQKNorm + RoPE,
                 ZayaDecoderLayer; the LM head as lm_head + log_softmax + gather)
-  grouped_mm    for the experts: torch._grouped_mm for both expert GEMMs (sort, grouped GEMM, SwiGLU,
-                grouped GEMM, unsort); transformers' own grouped_mm experts path too on CUDA
+  grouped_mm    for the experts: zrl's torch._grouped_mm path (experts/grouped_mm.py, what auto runs on
+                Hopper: sort, grouped GEMM, SwiGLU, grouped GEMM, unsort); transformers' own grouped_mm
+                experts path too on CUDA
   library       for the LM head: its library formulation (lm_logprobs/library.py: the reference's chunks
                 with every product a sum of bf16 cuBLAS GEMMs on exact parts of the fp32 operands)
   fused         for the LM head: the head fused with the RL loss (lm_logprobs/fused.py, what the trainer's
@@ -212,27 +213,6 @@ def _load(module: torch.nn.Module, tensors: dict[str, torch.Tensor], ctx: Ctx) -
     return module.to(ctx.device, ctx.dtype)
 
 
-def grouped_mm_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate: torch.Tensor, gate_up_proj: torch.Tensor,
-                       down_proj: torch.Tensor) -> torch.Tensor:
-    """The experts with torch._grouped_mm (baseline): tokens sorted by expert, the skip class last.
-
-    Rows past the last routed token lie outside every group: torch._grouped_mm leaves them undefined
-    in its outputs and in its input gradients (measured: garbage of order 1e4), so they are zeroed
-    (torch.where) after each grouped GEMM and at the input, which also zeroes their gradients.
-    x [T, D], expert_ids [T] in [0, E], gate [T] fp32 -> [T, D] fp32; no host synchronisation.
-    """
-    num_experts = gate_up_proj.shape[0]
-    order = torch.argsort(expert_ids, stable=True)  # [T]
-    offs = torch.cumsum(torch.bincount(expert_ids, minlength=num_experts + 1)[:num_experts], 0).to(torch.int32)
-    routed = (expert_ids.index_select(0, order) < num_experts)[:, None]  # [T, 1]
-    x_sorted = torch.where(routed, x.index_select(0, order), 0.0)
-    gate_up = torch.where(routed, torch._grouped_mm(x_sorted, gate_up_proj.transpose(-2, -1), offs=offs), 0.0)
-    g, u = gate_up.chunk(2, dim=-1)  # [T, F] each
-    y = torch._grouped_mm(F.silu(g) * u, down_proj.transpose(-2, -1), offs=offs)  # [T, D]
-    y = torch.where(routed, y.float(), 0.0) * gate.index_select(0, order)[:, None]
-    return torch.zeros_like(y).index_copy(0, order, y)
-
-
 def experts_groups(ctx: Ctx, tokens: int) -> list[Group]:
     s = ctx.shape
     x, gate = ctx.leaf(tokens, s.D), torch.rand(tokens, generator=ctx.gen).to(ctx.device).requires_grad_()
@@ -242,7 +222,9 @@ def experts_groups(ctx: Ctx, tokens: int) -> list[Group]:
     leaves = [x, gate, gate_up, down]
     impls = _backends(ctx, _op("experts", "moe_experts"), lambda op: op(x, ids, gate, gate_up, down), leaves)
     if "grouped_mm" in ctx.impls and hasattr(torch, "_grouped_mm"):
-        impls.append(Impl("grouped_mm", lambda: grouped_mm_experts(x, ids, gate, gate_up, down), leaves))
+        from zrl.modeling.kernels.experts.grouped_mm import moe_experts_grouped_mm  # what auto runs on Hopper
+
+        impls.append(Impl("grouped_mm", lambda: moe_experts_grouped_mm(x, ids, gate, gate_up, down), leaves))
     if "transformers" in ctx.impls and ctx.hf is not None:
         # HF's router hands the skip class over as expert 0 with weight 0 (computed, then zeroed).
         hf_ids = torch.where(ids == s.E, 0, ids)[:, None]  # [T, 1]

@@ -214,15 +214,16 @@ FLASH_BWD_EXECUTED = 1.25  # a flash attention backward runs 5 [S, S] products t
 
 # The LM head as the RL loss runs it on CUDA, fused with the loss (zrl/modeling/kernels/lm_logprobs/fused.py),
 # in bf16 GEMM-equivalents of 2 T V D: the fp32 hidden state in three exact bf16 parts against the bf16
-# weight. All in the forward: the logits 3 (K-stacked), dh = G W with G's parts [hi, mid] 2, dW = G^T h,
-# first-order part pairs 3 (K = 3c); the backward only scales the saved dh and dW. (The unfused library
-# op, lm_logprobs/library.py, runs 3 + 9: the backward recomputes the logits.)
-LM_HEAD_DOTS = (8, 0)
+# weight for the logits (3, K-stacked: fp32-level log-probs); dh = G W and dW = G^T h at order 0 (1 each:
+# G's hi part, against the weight and the hidden hi part). All in the forward; the backward only scales the
+# saved dh and dW. (The unfused library op, lm_logprobs/library.py, runs 3 + 9: the backward recomputes the
+# logits.)
+LM_HEAD_DOTS = (5, 0)
 # Bytes per element of the [T, V] logits that the fused head moves through HBM over its fp32 [c, V]
 # blocks, GEMM outputs and block operands included, with its two Triton passes (grad_parts_kernel.py):
-# the logits GEMM writes 4, row_stats reads 4, grad_parts reads 4 and writes [hi, mid, hi] 6, the dh GEMM
-# reads its two parts 4 and the dW GEMM its three 6. (The library op's eager passes: 44 + 134.)
-LM_HEAD_BLOCK_BYTES = (28, 0)
+# the logits GEMM writes 4, row_stats reads 4, grad_parts reads 4 and writes G's hi part 2, the dh and dW
+# GEMMs read it 2 each. (The library op's eager passes: 44 + 134.)
+LM_HEAD_BLOCK_BYTES = (18, 0)
 
 
 def lm_head_split_work(s: Shape, tokens: int, act: int, dots: tuple[int, int] = LM_HEAD_DOTS) -> Work:

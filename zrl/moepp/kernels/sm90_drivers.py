@@ -149,15 +149,17 @@ def drive_lm_logprobs(hidden_dtype: torch.dtype, weight_dtype: torch.dtype, t: i
         _backward((logprob, entropy) if with_entropy else (logprob,), [hidden, weight])
 
 
-def drive_lm_head_grad_parts(with_entropy: bool, c: int = 1024, v: int = ZAYA1["V"],
-                             sequence: tuple[int, ...] = (0, 1, 0)) -> None:
+def drive_lm_head_grad_parts(with_entropy: bool, c: int = 1024, v: int = ZAYA1["V"]) -> None:
     """The fused head loss's gradient-parts pass (lm_logprobs/grad_parts_kernel.py) on one chunk of the
-    library formulation's size (c = 1024 at V = 262,272), parts [hi, mid, hi] (fp32 hidden, bf16 W)."""
+    library formulation's size (c = 1024 at V = 262,272), writing the parts the trainer's products read
+    (fp32 hidden, bf16 W: `FusedSplitProducts.grad_sequence` at its default orders)."""
+    from zrl.modeling.kernels.lm_logprobs.fused import FusedSplitProducts
     from zrl.modeling.kernels.lm_logprobs.grad_parts_kernel import grad_parts
 
+    sequence = FusedSplitProducts(_meta(c, ZAYA1["D"], dtype=fp32), _meta(v, ZAYA1["D"], dtype=bf16)).grad_sequence
     row = _meta(c, dtype=fp32)
     grad_parts(_meta(c, v, dtype=fp32), row, _meta(c, dtype=torch.int64), row, row if with_entropy else None,
-               row if with_entropy else None, list(sequence))
+               row if with_entropy else None, sequence)
 
 
 def drive_lm_head_row_stats(with_entropy: bool, c: int = 1024, v: int = ZAYA1["V"]) -> None:

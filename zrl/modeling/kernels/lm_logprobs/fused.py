@@ -41,10 +41,13 @@ TokenGrad = Callable[[slice, torch.Tensor, "torch.Tensor | None"],
 
 # Orders of the part sums (i + j <= order over parts i of one operand and j of the other; a part is 8
 # significant bits, so order k drops terms of relative size ~2^-(8(k+1))).
-LOGIT_ORDER = 2  # fp32-level logits: log-probs as accurate as the unfused op's
-GRAD_HIDDEN_ORDER = 1  # dh: relative error ~2^-16 (measured bounds in README.md), far under the bf16
-#   rounding every decoder layer's backward GEMM applies to the gradient it receives
-GRAD_WEIGHT_ORDER_16BIT = 1  # dW returned in a 16-bit dtype: ~2^-16 sums under its final 2^-9 rounding
+LOGIT_ORDER = 2  # fp32-level logits: log-probs as accurate as the unfused op's (the FP32 op set's purpose)
+# dh and a 16-bit dW at order 0 (G's hi part against hidden's hi part and the bf16 weight): the formulation of
+# every bf16 layer's backward GEMMs in the same step, which take the gradient rounded to bf16. Measured against
+# float64 (README.md "Fused head loss"): dh within 1.4e-3 of its largest entry, under rounding the exact dh once
+# to bf16 (2.5e-3); dW 2.3x its own final bf16 rounding. Order 1 would cost 3 more GEMM-equivalents per chunk.
+GRAD_HIDDEN_ORDER = 0
+GRAD_WEIGHT_ORDER_16BIT = 0
 GRAD_WEIGHT_ORDER_FP32 = 2  # dW returned in fp32
 _MAX_KERNEL_BLOCKS = 4  # grad_parts_kernel.MAX_BLOCKS (not imported: that module imports Triton)
 
@@ -77,8 +80,8 @@ class FusedSplitProducts:
     - dW: K-stacked along the tokens. Gradient parts [n c, V]^T x hidden parts [n c, D], added into the
       [V, D] fp32 accumulator (the first chunk writes it).
     The gradient parts are written in the order (`grad_sequence`) the dW GEMM reads them, dh's parts a
-    run of it, so both GEMMs read one buffer without a copy: with a bf16 weight [hi, mid, hi] against
-    hidden [hi, hi, mid] for dW, [hi, mid] for dh.
+    run of it, so both GEMMs read one buffer without a copy: at the default orders with a bf16 weight,
+    G's hi part alone, against the hidden hi part for dW and the weight for dh.
     Hidden and weight of one 16-bit dtype are used as they are (one part each, G rounded to that dtype):
     3 GEMMs, a plain head's.
     """
