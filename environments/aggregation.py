@@ -85,17 +85,19 @@ class Aggregation(Environment):
 
     def __init__(self, env: str, rollouts: str, tokenizer: str, env_options: dict | None = None,
                  num_aggregated: int = 4, tail_tokens: int = 256, hybrid: bool = False):
+        if num_aggregated < 1 or tail_tokens < 1:
+            raise ValueError(f"num_aggregated and tail_tokens must be >= 1 (got {num_aggregated}, {tail_tokens})")
+        for option, path in (("rollouts", Path(rollouts)), ("tokenizer", Path(tokenizer))):
+            if not path.exists():
+                raise FileNotFoundError(f"{option}: {path} does not exist")
+        # Imported after the checks above: transformers' AutoTokenizer costs ~3 s of imports, which a recipe
+        # whose files are missing (`zrl validate` on a machine without the data) need not pay.
         from transformers import AutoTokenizer
 
         from serving.rsa import AGGREGATION_TEMPLATE, CANDIDATE_TEMPLATE, AggregationPrompter
         from zrl.config.schema import EnvironmentSpec
         from zrl.prompts import build_environment
 
-        if num_aggregated < 1 or tail_tokens < 1:
-            raise ValueError(f"num_aggregated and tail_tokens must be >= 1 (got {num_aggregated}, {tail_tokens})")
-        for option, path in (("rollouts", Path(rollouts)), ("tokenizer", Path(tokenizer))):
-            if not path.exists():
-                raise FileNotFoundError(f"{option}: {path} does not exist")
         self.inner = build_environment(EnvironmentSpec(name=env, options=env_options or {}))
         if getattr(self.inner, "uses_reward_model", False):
             raise ValueError(f"{env!r} scores with a reward model; aggregation needs a verifiable environment")
