@@ -182,6 +182,23 @@ def test_split_products_against_float64():
     assert dw_e <= 2.5 * ref_dw, summary  # order 0: 2.30x the bf16 result's own rounding
 
 
+@pytest.mark.gpu
+def test_split_product_gradients_on_cuda_against_float64():
+    """dh and dW as the trainer forms them on CUDA (cuBLAS bf16 GEMMs, the gradient-parts kernel) within the
+    CPU test's float64 bounds above. Hopper's tensor cores accumulate with truncation (the library op's
+    log-probs: 3.7e-5 against fp32's 2.0e-6, bench/results/nvidia-h200-2026-11-27*.md), far under the bf16
+    roundings these bounds are made of. The log-probs' CUDA bound is not measured yet, so not asserted."""
+    device = torch.device("cuda")
+    (hidden, weight, targets, upstream), (_, exact_dh, exact_dw) = model_case()
+    h, w = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
+    loss = fused_head_loss(h, w, targets.to(device), smooth_loss(upstream.to(device)), products=FusedSplitProducts,
+                           chunk_tokens=8)[0]
+    loss.backward()
+    rounding = [(e.bfloat16().double() - e).abs().max().item() for e in (exact_dh, exact_dw)]
+    dh_e, dw_e = errors((h.grad.cpu(), w.grad.cpu()), (exact_dh, exact_dw))
+    assert dh_e <= rounding[0] and dw_e <= 2.5 * rounding[1], (dh_e, dw_e, rounding)
+
+
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.float16, torch.float16),
                                     (torch.float32, torch.float32)], ids=["fp32-bf16", "fp16", "fp32"])
 def test_split_products_match_the_unfused_library_op(dtypes):
