@@ -15,7 +15,8 @@ router latent R 256, V 262,272) against, in the same run and with the same weigh
   library       for the LM head: its library formulation (lm_logprobs/library.py: the reference's chunks
                 with every product a sum of bf16 cuBLAS GEMMs on exact parts of the fp32 operands)
   fused         for the LM head: the head fused with the RL loss (lm_logprobs/fused.py, what the trainer's
-                loss runs): dh and dW formed in the forward, its "fwd" row is the whole head
+                loss runs): dh and dW formed in the forward, its "fwd" row is the whole head; beside it the
+                split products with dh and dW at order 1 (the default before 2026-11-28), for what the orders cost
 Rows are grouped: "vs ref" and "vs HF" are speed-ups (baseline time / row time, > 1 = faster) against
 the group's reference and transformers rows. TFLOP/s and GB/s use the formulas of moepp_kernels_work.py
 (useful work: routed tokens only, causal attention half, no recomputation), and "%pk" is the share of
@@ -356,6 +357,10 @@ def lm_logprobs_groups(ctx: Ctx, tokens: int) -> list[Group]:
                                                                     with_entropy=False)[0], leaves))
     if "fused" in ctx.impls:
         impls.append(Impl("fused", _fused_head_loss(ctx, hidden, weight, targets), leaves))
+        # the split products with dh and dW at order 1, the default before 2026-11-28 (on CUDA "fused" is the
+        # split products at order 0: the pair shows what the orders cost)
+        impls.append(Impl("fused (split, order-1 gradients)", _fused_head_loss(ctx, hidden, weight, targets, order=1),
+                          leaves))
     note = ""
     if "transformers" in ctx.impls and ctx.hf is not None:
         # lm_head in the weight dtype, then log_softmax in fp32: [T, V] logits, their fp32 copy, the
@@ -373,12 +378,16 @@ def lm_logprobs_groups(ctx: Ctx, tokens: int) -> list[Group]:
     return [Group("lm_logprobs", lm_logprobs_work(s, tokens, ctx.act), impls, note, fp32=True)]
 
 
-def _fused_head_loss(ctx: Ctx, hidden: torch.Tensor, weight: torch.Tensor,
-                     targets: torch.Tensor) -> Callable[[], torch.Tensor]:
+def _fused_head_loss(ctx: Ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                     order: int | None = None) -> Callable[[], torch.Tensor]:
     """The LM head fused with the RL loss (lm_logprobs.head_loss, what the trainer runs: DPPO Binary-TV,
-    Dr-GRPO aggregation) under `auto`: its forward forms dh and dW, its backward scales them."""
+    Dr-GRPO aggregation) under `auto`: its forward forms dh and dW, its backward scales them. With `order`:
+    the split products with dh and dW at that order instead of the defaults (fused.py)."""
+    import functools
+
     from zrl.algorithms import policy_loss_grad, token_weights
     from zrl.modeling.kernels.lm_logprobs import head_loss
+    from zrl.modeling.kernels.lm_logprobs.fused import FusedSplitProducts, fused_head_loss
 
     tokens = hidden.shape[0]
     advantages = torch.randn(tokens, generator=ctx.gen).to(ctx.device)
@@ -391,7 +400,10 @@ def _fused_head_loss(ctx: Ctx, hidden: torch.Tensor, weight: torch.Tensor,
         loss, grad = policy_loss_grad("dppo_binary_tv", logprob, behaviour[rows], advantages[rows], mask[rows])
         return loss * weights[rows], grad * weights[rows], None
 
-    return _scoped("auto", lambda: head_loss(hidden, weight, targets, token_grad)[0])
+    if order is None:
+        return _scoped("auto", lambda: head_loss(hidden, weight, targets, token_grad)[0])
+    products = functools.partial(FusedSplitProducts, grad_hidden_order=order, grad_weight_order=order)
+    return lambda: fused_head_loss(hidden, weight, targets, token_grad, products=products)[0]
 
 
 def _init_layer(layer: torch.nn.Module) -> None:
