@@ -86,9 +86,15 @@ def summarise(parts: list[PartResult]) -> dict:
         if run["steps"]:
             run["summary"] = run_summary(run, out)
     base = base_runs(out["trainer"])
-    if len(base) >= 2:
-        projected = project(base[:2], PROJECTED_LAYERS, RECIPE_MICROBATCHES)
+    projected = project(base[:2], PROJECTED_LAYERS, RECIPE_MICROBATCHES) if len(base) >= 2 else None
+    if projected is not None:
         out["projection"] = projected | mfus(projected["flops"] / projected["step_s"], out)
+    elif len(base) >= 2:
+        a, b = base[:2]
+        out["notes"].append(f"projection: not made; the {b['layers']}-layer run was not slower than the "
+                            f"{a['layers']}-layer run (compute per token {b['compute_s_per_token']:.3g} against "
+                            f"{a['compute_s_per_token']:.3g} s, optimizer {b['optimizer_s']:.3g} against "
+                            f"{a['optimizer_s']:.3g} s per step), so timing noise outweighs a layer")
     return out
 
 
@@ -129,12 +135,13 @@ def run_summary(run: dict, s: dict) -> dict:
         peak_gib=max(st["peak_memory_gib"] for st in run["steps"]), warmup_s=run["steps"][0]["step_s"])
 
 
-def project(runs: list[dict], layers: int, microbatches: int) -> dict:
+def project(runs: list[dict], layers: int, microbatches: int) -> dict | None:
     """A step of `layers` layers and `microbatches` microbatches of the measured size, from the summaries of
     two runs at different layer counts: per token, the compute seconds (the step less its optimizer) and the
     model FLOPs are head + layers x layer, and so are the optimizer's seconds per step. The head is what does
     not grow with the layers (embedding, final norm, LM head and loss; AdamW's parameters), a layer one
-    decoder layer (its Muon matrices in the optimizer's line)."""
+    decoder layer (its Muon matrices in the optimizer's line). None where the deeper run was not slower, per
+    token or in its optimizer: a layer costs time, so such timings are noise (tiny layers on a loaded CPU)."""
     a, b = runs
 
     def line(key: str) -> tuple[float, float]:  # (head, per layer)
@@ -143,6 +150,8 @@ def project(runs: list[dict], layers: int, microbatches: int) -> dict:
 
     (compute_head, compute_layer), (flops_head, flops_layer) = line("compute_s_per_token"), line("flops_per_token")
     optimizer_head, optimizer_layer = line("optimizer_s")
+    if compute_layer <= 0 or optimizer_layer < 0:
+        return None
     tokens = microbatches * (a["tokens_per_microbatch"] + b["tokens_per_microbatch"]) / 2
     step_s = tokens * (compute_head + layers * compute_layer) + optimizer_head + layers * optimizer_layer
     flops = tokens * (flops_head + layers * flops_layer)
@@ -290,7 +299,7 @@ def render_projection(s: dict) -> list[str]:
     p = s["projection"]
     lines = ["", f"## Projection to {PROJECTED_LAYERS} layers", ""]
     if p is None:
-        return lines + ["Not projected: it needs full-checkpointing steps at two layer counts."]
+        return lines + ["Not projected: it needs full-checkpointing steps at two layer counts, the deeper one slower (see the notes)."]
     a, b = p["from_layers"]
     mb = p["tokens"] / p["microbatches"]
     return lines + [
