@@ -25,7 +25,9 @@ its JSON twin:
              share of a dense [T, D] x [D, 2F] GEMM timed in the same part (bench/moepp_kernels.py's
              groups; FLOPs from bench/moepp_kernels_work.py). The LM head also as "fused": the head fused
              with the RL loss (lm_logprobs/fused.py, what the trainer's loss runs); the summary sets its
-             fwd+bwd at 16k tokens against transformers' bf16 head (goal <= 1.5x)
+             fwd+bwd at 16k tokens against transformers' bf16 head (goal <= 1.5x). At 64k the fwd+bwd of
+             the experts (zrl's and transformers' grouped_mm), the CCA (reference, Triton) and the fused head
+             once more under torch.profiler: their top device kernels (PROFILED)
   gpu_tests  `pytest -m gpu zrl/modeling/kernels zrl/moepp/kernels`: counts and each failure's first line
 The report (summary, projection, goals, Markdown) is gpu_probe_report.py, the trainer parts and the fit
 search's arithmetic gpu_probe_trainer.py. Each part runs in its own Python process under a time limit: a CUDA error or a hang ends that part only, what it measured before is kept,
@@ -98,7 +100,7 @@ import torch  # noqa: E402
 from moepp_kernels_work import FULL, Shape, attention_work, doc_lengths  # noqa: E402
 from gpu_probe_report import FLOP_CONVENTION, PartResult, base_runs, goals, render, summarise  # noqa: E402
 from gpu_probe_trainer import (FIT_MEMORY_SHARE, first_line, next_fit_layers, part_trainer,  # noqa: E402
-                               predicted_fit_layers)
+                               predicted_fit_layers, profiled)
 from roofline import render_roofline  # noqa: E402
 
 # (part, argument, seconds it is planned to take): most important first; a later part gets what an
@@ -115,6 +117,12 @@ SMOKE_SHAPE = Shape(D=32, E=4, F=16, Hq=4, Hk=2, d=8, R=16, V=64, rotary=4)
 OPS = ("lm_logprobs", "experts", "cca", "layer", "attention", "router", "residual_norm")
 OPS_ALL_UP_TO = 16384
 OPS_LARGE = ("experts", "lm_logprobs", "attention", "cca", "router", "residual_norm")
+# fwd+bwd of these (op group, implementation) pairs also runs once under torch.profiler at PROFILED_TOKENS
+# (the trainer's microbatch size), their top PROFILE_TOP device kernels a table each: where the experts' glue
+# and the CCA's Triton kernels spend their time, beside the library paths they are weighed against.
+PROFILED = (("experts", "grouped_mm"), ("experts", "transformers grouped_mm"), ("cca", "reference"),
+            ("cca", "triton"), ("lm_logprobs", "fused"))
+PROFILED_TOKENS, PROFILE_TOP = "65536", 12
 FIRST_CALL_LIMIT_S = 20.0  # a first call (compilation included) slower than this is not repeated
 SLOW_FORWARD_S = 5.0  # an implementation whose forward is slower than this is not run forward + backward
 TIMED_CALLS, CALL_BUDGET_S = 5, 0.5  # per implementation and mode, after the first call
@@ -271,14 +279,16 @@ def part_kernels(args: argparse.Namespace, emit: Rows) -> None:
     rate = mk.dense_rate(ctx, tokens, argparse.Namespace(iters=10, warmup=2))
     emit("dense_gemm", tokens=tokens, tflops=rate / 1e12, shape=str(ctx.shape), doc_len=ctx.doc_len)
     for op in OPS if tokens <= OPS_ALL_UP_TO or args.smoke else OPS_LARGE:
-        time_op(op, ctx, tokens, rate, timing, emit)
+        time_op(op, ctx, tokens, rate, timing, emit, profile=args.part_arg == PROFILED_TOKENS)
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
 
 
-def time_op(op: str, ctx, tokens: int, rate: float, timing: tuple[int, float], emit: Rows) -> None:
-    """Rows of every group of `op` (its inputs live only while this runs)."""
+def time_op(op: str, ctx, tokens: int, rate: float, timing: tuple[int, float], emit: Rows,
+            profile: bool = False) -> None:
+    """Rows of every group of `op` (its inputs live only while this runs); with `profile`, a profile of each
+    PROFILED implementation's fwd+bwd."""
     import moepp_kernels as mk
 
     cuda = ctx.device.type == "cuda"
@@ -306,6 +316,14 @@ def time_op(op: str, ctx, tokens: int, rate: float, timing: tuple[int, float], e
                 emit("kernel", tokens=tokens, group=group.name, impl=impl.name, mode=mode, ms=seconds * 1e3,
                      calls=calls, tflops=flops / seconds / 1e12, gbs=nbytes / seconds / 1e9,
                      share_gemm=flops / seconds / rate, fp32=group.fp32, note=group.note)
+                if profile and mode == "fwd+bwd" and (group.name, impl.name) in PROFILED:
+                    try:
+                        _, prof = profiled(mk.make_step(impl, mode), cuda, PROFILE_TOP)
+                    except Exception as exc:  # noqa: BLE001 - a profile is extra; its table is simply missing
+                        error_row(emit, f"{group.name} {impl.name} {mode} profile", exc)
+                        continue
+                    emit("kernel_profile", tokens=tokens, group=group.name, impl=impl.name, mode=mode,
+                         ms=seconds * 1e3, **prof)
 
 
 # ---------------------------------------------------------------- part: gpu tests

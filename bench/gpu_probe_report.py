@@ -53,8 +53,8 @@ class PartResult:
 def summarise(parts: list[PartResult]) -> dict:
     """Everything the report shows, from the parts' rows: env, peaks, trainer runs and their projection,
     the fit search, kernel rows, tests, errors."""
-    out = dict(env={}, gemm=None, datasheet=None, kernels=[], dense={}, trainer={}, fit=None, projection=None,
-               gpu_tests=None, errors=[], notes=[])
+    out = dict(env={}, gemm=None, datasheet=None, kernels=[], kernel_profiles=[], dense={}, trainer={}, fit=None,
+               projection=None, gpu_tests=None, errors=[], notes=[])
     for part in parts:
         label = f"{part.name} {part.arg}".strip()
         for full_row in part.rows:
@@ -68,6 +68,8 @@ def summarise(parts: list[PartResult]) -> dict:
                 out["gemm"] = row
             elif kind == "kernel":
                 out["kernels"].append(row)
+            elif kind == "kernel_profile":
+                out["kernel_profiles"].append(row)
             elif kind == "dense_gemm":
                 out["dense"][row["tokens"]] = row
             elif kind == "trainer_step":
@@ -260,7 +262,7 @@ def render(s: dict, parts: list[PartResult], meta: dict) -> str:
     for name, run in s["trainer"].items():
         lines += render_trainer(name, run)
     for tokens in sorted({r["tokens"] for r in s["kernels"]}):
-        lines += render_kernels(s, tokens)
+        lines += render_kernels(s, tokens) + render_kernel_profiles(s, tokens)
     t = s["gpu_tests"]
     lines += ["", "## `pytest -m gpu zrl/modeling/kernels zrl/moepp/kernels`", ""]
     if t and "tests" in t:
@@ -375,14 +377,31 @@ def render_trainer(name: str, run: dict) -> list[str]:
                      f"{st['backward_s']:.3f} | {st['optimizer_s']:.3f} | {st['tokens'] / st['step_s']:,.0f} | "
                      f"{st['model_flops'] / 1e12:.2f} | {st['peak_memory_gib']:.1f} |")
     if prof:
-        cpu_only = prof["timed"] == "self CPU"  # then the two time columns would be the same
         lines += ["", f"One step under torch.profiler ({prof['step_s']:.3f} s with the profiler on; {prof['timed']} "
                   f"time summed over all ops {prof['busy_s']:.3f} s = {_pct(prof['busy_s'] / prof['step_s'])} of the "
-                  f"step), top {len(prof['top'])} by {prof['timed']} time:", "",
-                  f"| op | calls | {prof['timed']} ms |{'' if cpu_only else ' self CPU ms |'}",
-                  "|---|---|---|" + ("" if cpu_only else "---|")]
-        lines += [f"| `{r['name'].replace('|', '/')}` | {r['calls']} | {r['self_ms']:.2f} |"
-                  + ("" if cpu_only else f" {r['self_cpu_ms']:.2f} |") for r in prof["top"]]
+                  f"step), top {len(prof['top'])} by {prof['timed']} time:", ""] + profile_table(prof)
+    return lines
+
+
+def profile_table(prof: dict) -> list[str]:
+    """The top ops of a `profiled` call, as a Markdown table."""
+    cpu_only = prof["timed"] == "self CPU"  # then the two time columns would be the same
+    return ([f"| op | calls | {prof['timed']} ms |{'' if cpu_only else ' self CPU ms |'}",
+             "|---|---|---|" + ("" if cpu_only else "---|")]
+            + [f"| `{r['name'].replace('|', '/')}` | {r['calls']} | {r['self_ms']:.3f} |"
+               + ("" if cpu_only else f" {r['self_cpu_ms']:.3f} |") for r in prof["top"]])
+
+
+def render_kernel_profiles(s: dict, tokens: int) -> list[str]:
+    profiles = [p for p in s["kernel_profiles"] if p["tokens"] == tokens]
+    if not profiles:
+        return []
+    lines = ["", f"## Kernel profiles at T = {tokens}", "",
+             "One more call of each under torch.profiler, after the table above timed it: its top ops by "
+             f"{profiles[0]['timed']} time."]
+    for p in profiles:
+        lines += ["", f"**{p['group']} {p['impl']} {p['mode']}**: {p['ms']:.3f} ms in the table; {p['timed']} time "
+                  f"summed over all ops {p['busy_s'] * 1e3:.3f} ms.", ""] + profile_table(p)
     return lines
 
 

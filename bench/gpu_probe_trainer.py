@@ -179,24 +179,29 @@ def step_row(step: int, batch, metrics: dict[str, float], shape: Shape, layers: 
                 model_flops=model_step_flops(shape, layers, docs, routed), loss=metrics.get("loss/policy"), **perf)
 
 
-def profile_step(run: str, worker, batch, cuda: bool, emit: Emit, top: int = 20) -> None:
-    """One step under torch.profiler: the `top` ops by self device time (CPU time on CPU)."""
+def profiled(call: Callable[[], object], cuda: bool, top: int) -> tuple[object, dict]:
+    """(what `call` returned, its profile) with `call` run once under torch.profiler. The profile: which time
+    ranks the ops (self CUDA time; self CPU on CPU), their sum `busy_s` and the `top` ops by it."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        metrics = worker.train_step(worker.share_of(batch))
+        out = call()
     events = list(prof.key_averages())
 
     def self_device_us(e) -> float:  # the attribute's name moved between torch releases
         return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
 
     key = self_device_us if cuda else (lambda e: float(e.self_cpu_time_total))
-    busy = sum(key(e) for e in events) / 1e6
     rows = [dict(name=e.key[:90], calls=e.count, self_ms=key(e) / 1e3, self_cpu_ms=e.self_cpu_time_total / 1e3)
             for e in sorted(events, key=key, reverse=True)[:top]]
-    emit("profile", run=run, step_s=metrics["perf/step_s"], timed=("self CUDA" if cuda else "self CPU"), busy_s=busy,
-         top=rows)
+    return out, dict(timed="self CUDA" if cuda else "self CPU", busy_s=sum(key(e) for e in events) / 1e6, top=rows)
+
+
+def profile_step(run: str, worker, batch, cuda: bool, emit: Emit, top: int = 20) -> None:
+    """One step under torch.profiler: the `top` ops by self device time (CPU time on CPU)."""
+    metrics, prof = profiled(lambda: worker.train_step(worker.share_of(batch)), cuda, top)
+    emit("profile", run=run, step_s=metrics["perf/step_s"], **prof)
 
 
 # ---------------------------------------------------------------- the fit search

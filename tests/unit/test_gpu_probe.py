@@ -284,7 +284,10 @@ def test_summarise_and_goals_from_rows():
               + [{**kernel, "group": "lm_logprobs", "impl": impl, "mode": "fwd+bwd", "ms": ms, "share_gemm": 0.5}
                  for impl, ms in (("fused", 5.0), ("transformers", 4.0))]
               + [{**kernel, "group": "experts", "impl": "grouped_mm", "ms": 1.0, "share_gemm": 0.75},
-                 {"kind": "error", "where": "cca triton fwd", "error": "OutOfMemoryError: x"}])]
+                 {"kind": "error", "where": "cca triton fwd", "error": "OutOfMemoryError: x"},
+                 dict(kind="kernel_profile", tokens=16, group="experts", impl="grouped_mm", mode="fwd+bwd", ms=1.5,
+                      timed="self CUDA", busy_s=1.4e-3, top=[dict(name="void cutlass|kernel", calls=2, self_ms=0.9,
+                                                                  self_cpu_ms=0.0125)])])]
     s = probe.summarise(parts)
     assert s["datasheet"] == {"card": "H200 SXM", "tflops": 989.0}
     run = s["trainer"]["4 full"]["summary"]
@@ -318,6 +321,8 @@ def test_summarise_and_goals_from_rows():
                                        kernel_tokens=(16, 64)))
     assert "Data-sheet dense bf16 peak of the H200 SXM: **989 TFLOP/s**" in text and report.FLOP_CONVENTION in text
     assert "**Projected 40-layer step** of 20 microbatches" in text and "**9 layers fit**" in text
+    assert ("## Kernel profiles at T = 16" in text and "**experts grouped_mm fwd+bwd**: 1.500 ms in the table; self "
+            "CUDA time summed over all ops 1.400 ms." in text and "| `void cutlass/kernel` | 2 | 0.900 | 0.013 |" in text)
     assert "| 4 selective | 2 x 500 |" in text and "| 9 | yes | 3.0 | 1.800 |" in text
     # an 8-layer run timed no slower than the 4-layer one: a note with both figures instead of a projection
     parts[1].rows[-1] = _step("8 full", 1, 8, 1.9, 0.4, 6e15)
@@ -373,6 +378,12 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
                 "router", "residual_norm"} <= groups
         impls = {r["impl"] for r in s["kernels"] if r["tokens"] == tokens}
         assert {"reference", "transformers", "grouped_mm", "library", "fused"} <= impls  # triton runs on CUDA only
+    # the larger part's profiles: those of PROFILED that run on CPU (not triton, not transformers' grouped_mm)
+    assert [(p["tokens"], p["group"], p["impl"], p["mode"]) for p in s["kernel_profiles"]] == [
+        (128, "lm_logprobs", "fused", "fwd+bwd"), (128, "experts", "grouped_mm", "fwd+bwd"),
+        (128, "cca", "reference", "fwd+bwd")]
+    for p in s["kernel_profiles"]:
+        assert p["timed"] == "self CPU" and len(p["top"]) == 12 and p["busy_s"] >= p["top"][0]["self_ms"] / 1e3 > 0
     assert set(s["trainer"]) == {"4 full", "4 selective", "8 full", "fit 9"}
     assert len(s["trainer"]["4 full"]["profile"]["top"]) == 20 and "profile" not in s["trainer"]["8 full"]
     for name, run in s["trainer"].items():
@@ -393,3 +404,4 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
     assert text.startswith("# GPU probe: ") and "Smoke run" in text and "## Trainer: 4 selective" in text
     assert "No data-sheet peak for this device" in text and "MFU convention: Model FLOPs per step" in text
     assert "## Projection to 40 layers" in text and "**9 layers fit**" in text
+    assert "## Kernel profiles at T = 128" in text and "**experts grouped_mm fwd+bwd**" in text
