@@ -26,8 +26,8 @@ its JSON twin:
              groups; FLOPs from bench/moepp_kernels_work.py). The LM head also as "fused": the head fused
              with the RL loss (lm_logprobs/fused.py, what the trainer's loss runs); the summary sets its
              fwd+bwd at 16k tokens against transformers' bf16 head (goal <= 1.5x). At 64k the fwd+bwd of
-             the experts (zrl's and transformers' grouped_mm), the CCA (reference, Triton) and the fused head
-             once more under torch.profiler: their top device kernels (PROFILED)
+             the experts (zrl's and transformers' grouped_mm), the CCA (reference, Triton, library) and
+             the fused head once more under torch.profiler: their top device kernels (PROFILED)
   gpu_tests  `pytest -m gpu zrl/modeling/kernels zrl/moepp/kernels`: counts and each failure's first line
 The report (summary, projection, goals, Markdown) is gpu_probe_report.py, the trainer parts and the fit
 search's arithmetic gpu_probe_trainer.py. Each part runs in its own Python process under a time limit: a CUDA error or a hang ends that part only, what it measured before is kept,
@@ -121,7 +121,7 @@ OPS_LARGE = ("experts", "lm_logprobs", "attention", "cca", "router", "residual_n
 # (the trainer's microbatch size), their top PROFILE_TOP device kernels a table each: where the experts' glue
 # and the CCA's Triton kernels spend their time, beside the library paths they are weighed against.
 PROFILED = (("experts", "grouped_mm"), ("experts", "transformers grouped_mm"), ("cca", "reference"),
-            ("cca", "triton"), ("lm_logprobs", "fused"))
+            ("cca", "triton"), ("cca", "library"), ("lm_logprobs", "fused"))
 PROFILED_TOKENS, PROFILE_TOP = "65536", 12
 FIRST_CALL_LIMIT_S = 20.0  # a first call (compilation included) slower than this is not repeated
 SLOW_FORWARD_S = 5.0  # an implementation whose forward is slower than this is not run forward + backward

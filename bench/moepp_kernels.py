@@ -13,7 +13,9 @@ router latent R 256, V 262,272) against, in the same run and with the same weigh
                 Hopper: sort, grouped GEMM, SwiGLU, grouped GEMM, unsort); transformers' own grouped_mm
                 experts path too on CUDA
   library       for the LM head: its library formulation (lm_logprobs/library.py: the reference's chunks
-                with every product a sum of bf16 cuBLAS GEMMs on exact parts of the fp32 operands)
+                with every product a sum of bf16 cuBLAS GEMMs on exact parts of the fp32 operands); for
+                the CCA: the reference with its convolutions as shifted sums and one batched GEMM
+                (cca/library.py, no host sync)
   fused         for the LM head: the head fused with the RL loss (lm_logprobs/fused.py, what the trainer's
                 loss runs): dh and dW formed in the forward, its "fwd" row is the whole head; beside it the
                 split products with dh and dW at order 1 (the default before 2026-11-28), for what the orders cost
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import math
 import os
@@ -307,6 +310,11 @@ def cca_groups(ctx: Ctx, tokens: int) -> list[Group]:
 
     q, k = ctx.leaf(tokens, s.Hq * s.d), ctx.leaf(tokens, s.Hk * s.d)  # projections' outputs, compute dtype
     impls = _backends(ctx, op, lambda o: call(o, q, k), [q, k, *conv.values()])
+    if "library" in ctx.impls and op is not None:  # the reference with its convolutions as one batched GEMM
+        from zrl.moepp.kernels.cca import library, reference
+
+        convs = functools.partial(reference.cca_precondition, convs=library.causal_convs)
+        impls.append(Impl("library", lambda: call(convs, q, k), [q, k, *conv.values()]))
     groups = [Group("cca", cca_work(s, tokens, ctx.act), impls, f"{len(lens)} ragged docs", fp32=True)]
 
     # With the q/k/v projections in front: the piece transformers has as modules.

@@ -283,6 +283,10 @@ def test_summarise_and_goals_from_rows():
                  for impl, ms in (("library", 2.0), ("triton", 9.0), ("transformers", 3.0))]
               + [{**kernel, "group": "lm_logprobs", "impl": impl, "mode": "fwd+bwd", "ms": ms, "share_gemm": 0.5}
                  for impl, ms in (("fused", 5.0), ("transformers", 4.0))]
+              + [{**kernel, "group": "cca", "impl": impl, "mode": "fwd+bwd", "ms": ms, "share_gemm": 0.0}
+                 for impl, ms in (("reference", 8.0), ("library", 5.0))]
+              + [{**kernel, "tokens": 64, "group": "cca", "impl": impl, "mode": "fwd+bwd", "ms": ms, "share_gemm": 0.0}
+                 for impl, ms in (("reference", 8.0), ("library", 5.0))]
               + [{**kernel, "group": "experts", "impl": "grouped_mm", "ms": 1.0, "share_gemm": 0.75},
                  {"kind": "error", "where": "cca triton fwd", "error": "OutOfMemoryError: x"},
                  dict(kind="kernel_profile", tokens=16, group="experts", impl="grouped_mm", mode="fwd+bwd", ms=1.5,
@@ -316,6 +320,9 @@ def test_summarise_and_goals_from_rows():
                                                                                              "met")
     assert rows["experts fwd share of the dense GEMM at 16"][3] == "met"
     assert rows["experts fwd share of the dense GEMM at 64"][3] == "-"  # not measured, not a verdict
+    assert rows["cca fwd+bwd at 16: reference ms / library ms"][1:] == ("1.60x", ">= 1.5x", "met")
+    assert rows["cca fwd+bwd at 16: reference ms / triton ms"][1:] == ("-x", ">= 1.5x", "-")  # no triton row
+    assert rows["cca fwd+bwd ms at 64"][1:] == ("reference 8.0, triton -, library 5.0", "<= 4 ms", "NOT met")
     assert rows["`gpu` tests"][1] == "not run"
     text = probe.render(s, parts, dict(date="d", smoke=False, commit="c", wall_s=1.0, budget_s=2.0, command="x",
                                        kernel_tokens=(16, 64)))
@@ -381,7 +388,7 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
     # the larger part's profiles: those of PROFILED that run on CPU (not triton, not transformers' grouped_mm)
     assert [(p["tokens"], p["group"], p["impl"], p["mode"]) for p in s["kernel_profiles"]] == [
         (128, "lm_logprobs", "fused", "fwd+bwd"), (128, "experts", "grouped_mm", "fwd+bwd"),
-        (128, "cca", "reference", "fwd+bwd")]
+        (128, "cca", "reference", "fwd+bwd"), (128, "cca", "library", "fwd+bwd")]
     for p in s["kernel_profiles"]:
         assert p["timed"] == "self CPU" and len(p["top"]) == 12 and p["busy_s"] >= p["top"][0]["self_ms"] / 1e3 > 0
     assert set(s["trainer"]) == {"4 full", "4 selective", "8 full", "fit 9"}

@@ -2,18 +2,19 @@
 
 `cca_precondition` is the one entry point the model calls; it runs the fused Triton kernel
 (triton_kernel.py) when `resolve("cca", q)` says Triton and the shapes suit its tiles (head_dim a
-power of two >= 16, rotary_dim / 2 a power of two or rotary_dim 0), and the PyTorch reference
-(reference.py, the definition) otherwise. "auto" runs the reference on CUDA too: it was measured
-faster than the kernel (README, "Choice on CUDA"). With the backend forced to "triton", shapes the
-kernel cannot take raise instead of falling back.
+power of two >= 16, rotary_dim / 2 a power of two or rotary_dim 0); the reference with its convolutions
+as shifted sums and one batched GEMM (library.py: no host sync) when it says "library"; and the PyTorch
+reference (reference.py, the definition) otherwise. "auto" runs the reference on CUDA too: it was
+measured faster than the kernel (README, "Choice on CUDA"); the library formulation awaits its GPU
+figures. With the backend forced to "triton", shapes the kernel cannot take raise instead of falling back.
 """
 
 from __future__ import annotations
 
 import torch
 
-from zrl.modeling.kernels import get_backend, use_triton
-from zrl.moepp.kernels.cca import reference
+from zrl.modeling import kernels
+from zrl.moepp.kernels.cca import library, reference
 
 
 def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor,
@@ -30,15 +31,17 @@ def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, 
     Returns q [T, Hq, d], k [T, Hk, d] fp32. Differentiable w.r.t. q, k, the convolutions' weights and
     biases and temp (not cos/sin, not doc_offset).
     """
-    if use_triton(q, "cca"):
+    choice = kernels.resolve("cca", q)
+    if choice == "triton":
         from zrl.moepp.kernels.cca import triton_kernel  # lazy: Triton picks interpreter/compiler at import
 
         reason = triton_kernel.unsupported_reason(num_q_heads, num_kv_heads, head_dim, 2 * cos.shape[-1])
-        if reason is None or get_backend() == "triton":
+        if reason is None or kernels.get_backend() == "triton":
             return triton_kernel.cca_precondition(q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset,
                                                   cos, sin, num_q_heads, num_kv_heads, head_dim)
+    convs = library.causal_convs if choice == "library" else reference.causal_convs
     return reference.cca_precondition(q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset, cos, sin,
-                                      num_q_heads, num_kv_heads, head_dim)
+                                      num_q_heads, num_kv_heads, head_dim, convs=convs)
 
 
 __all__ = ["cca_precondition"]

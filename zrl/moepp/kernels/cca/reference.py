@@ -18,6 +18,8 @@ Invariant: no token reads a token of another document (`doc_offset` bounds every
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -64,14 +66,15 @@ def causal_convs(qk: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tenso
 
 def cca_mix(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor,
             gr_weight: torch.Tensor, gr_bias: torch.Tensor, doc_offset: torch.Tensor, num_q_heads: int,
-            num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean skip + convolutions + residual: q [T, Hq d], k [T, Hk d] -> [T, Hq, d], [T, Hk, d] fp32."""
+            num_kv_heads: int, head_dim: int, convs: Callable = causal_convs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean skip + convolutions + residual: q [T, Hq d], k [T, Hk d] -> [T, Hq, d], [T, Hk, d] fp32.
+    `convs`: how the convolutions run (`causal_convs`'s contract; library.py has the GEMM formulation)."""
     t = q.shape[0]
     # One cast each: both uses' gradients then add up in fp32 before the single cast back (bf16 mode).
     q, k = to_op_dtype(q, Fp32Op.QK_MEAN), to_op_dtype(k, Fp32Op.QK_MEAN)
     q_res, k_res = mean_skip(q, k, num_q_heads, num_kv_heads, head_dim)
     qk = torch.cat([q, k], dim=-1)  # [T, C]
-    conv = causal_convs(qk, dw_weight, dw_bias, gr_weight, gr_bias, doc_offset)  # [T, C]
+    conv = convs(qk, dw_weight, dw_bias, gr_weight, gr_bias, doc_offset)  # [T, C]
     q_out = conv[:, : num_q_heads * head_dim].view(t, num_q_heads, head_dim) + q_res
     k_out = conv[:, num_q_heads * head_dim:].view(t, num_kv_heads, head_dim) + k_res
     return q_out, k_out
@@ -90,9 +93,9 @@ def qk_norm(q: torch.Tensor, k: torch.Tensor, temp: torch.Tensor) -> tuple[torch
 def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor,
                      gr_weight: torch.Tensor, gr_bias: torch.Tensor, temp: torch.Tensor, doc_offset: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     head_dim: int, convs: Callable = causal_convs) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole preconditioner (see the module docstring): -> q [T, Hq, d], k [T, Hk, d] fp32."""
     q_out, k_out = cca_mix(q, k, dw_weight, dw_bias, gr_weight, gr_bias, doc_offset, num_q_heads, num_kv_heads,
-                           head_dim)
+                           head_dim, convs)
     q_out, k_out = qk_norm(q_out, k_out, temp)
     return apply_partial_rope(q_out, cos, sin), apply_partial_rope(k_out, cos, sin)

@@ -1,5 +1,6 @@
 """CCA preconditioner: hand values of the reference, Triton kernel == reference forward and backward
-(varied heads, kernel sizes, rotary dims, ragged documents), no leakage across documents, dispatch.
+(varied heads, kernel sizes, rotary dims, ragged documents), the library formulation == reference and
+without a host sync, no leakage across documents, dispatch.
 
 On CPU the kernels run in Triton's interpreter (fp32; tiny shapes, small blocks so that documents
 straddle program blocks and the weight-gradient splits); on CUDA the same tests run compiled (`gpu`).
@@ -17,12 +18,14 @@ from zrl.modeling.rope import rope_cos_sin
 from zrl.moepp.cca import CCAttention
 from zrl.moepp.config import MoEPPConfig
 from zrl.modeling.kernels import use_backend
-from zrl.moepp.kernels.cca import cca_precondition, reference
+from zrl.moepp.kernels.cca import cca_precondition, library, reference
 from zrl.modeling.packing import build_layout
 
 # Tolerances, relative to the largest magnitude of the compared tensor (outputs are O(sqrt(d)), so
 # this is a few fp32 ulps of the largest entry). Measured over every op-level case below on the CPU
 # interpreter: forward 3.0e-7, backward 7.6e-7 (the kernel sums in another order than torch).
+# The library formulation (library.py: the same fp32 math summed in another order) against the reference,
+# over test_library_convs_match_reference's cases on CPU: forward 3.7e-7, backward 6.8e-7.
 FWD_TOL = 2e-6
 BWD_TOL = 4e-6
 
@@ -66,6 +69,9 @@ def run(leaves, rest, backend, grads_out=None, **kernel_kw):
 
         outs = triton_kernel.cca_precondition(q, k, dw, db, gw, gb, temp, doc_offset, cos, sin, hq, hk, d,
                                               **kernel_kw)
+    elif backend == "library":  # what `resolve` -> "library" runs: the reference with library.causal_convs
+        outs = reference.cca_precondition(q, k, dw, db, gw, gb, temp, doc_offset, cos, sin, hq, hk, d,
+                                          convs=library.causal_convs)
     else:
         with use_backend(backend):
             outs = cca_precondition(q, k, dw, db, gw, gb, temp, doc_offset, cos, sin, hq, hk, d)
@@ -115,9 +121,43 @@ def test_ragged_documents_and_default_blocks(device, triton_backend, lens):
         assert max(rel_err(g, r) for g, r in zip(grads, ref_grads)) < BWD_TOL
 
 
+@pytest.mark.parametrize("d, hq, hk, k0, k1, rotary", CASES)
+def test_library_convs_match_reference(device, d, hq, hk, k0, k1, rotary):
+    """The convolutions as shifted sums and one batched GEMM (library.py) == the padded-stream reference,
+    forward and every gradient, on RAGGED and on documents shorter than the history."""
+    for lens in (RAGGED, [3, 2, 1, 4, 1, 1, 6], [1] * 5):
+        leaves, rest = make_case(lens, hq, hk, d, k0, k1, rotary, device)
+        ref_out, ref_grads = run(leaves, rest, "reference")
+        out, grads = run(leaves, rest, "library")
+        assert max(rel_err(o, r) for o, r in zip(out, ref_out)) < FWD_TOL
+        assert max(rel_err(g, r) for g, r in zip(grads, ref_grads)) < BWD_TOL
+
+
+def test_library_convs_make_no_host_sync():
+    """The reference reads the document count on the host (one `.item()` per call); library.py reads none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
+            return func(*args, **(kwargs or {}))
+
+    leaves, (doc_offset, *_) = make_case(RAGGED, 2, 1, 32, 3, 2, 0, torch.device("cpu"), seed=5)
+    q, k, dw, db, gw, gb, _ = leaves
+    qk = torch.cat([q, k], -1)
+    for convs, reads in ((reference.causal_convs, 1), (library.causal_convs, 0)):
+        with Reads() as mode:
+            convs(qk, dw, db, gw, gb, doc_offset).square().sum().backward()
+        assert mode.count == reads, convs.__module__
+
+
 # inf in one document makes NaN there (numpy warns inside the interpreter); the test is that it stays there.
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "library"])
 def test_no_leakage_across_documents(device, backend):
     """Changing one document's inputs (even to inf) changes nothing in the others, forward or backward."""
     lens = [14, 4, 6]  # the middle document straddles the program boundary (SMALL: 16 tokens)
@@ -143,14 +183,15 @@ def test_no_leakage_across_documents(device, backend):
         assert torch.count_nonzero(g[a:b]) > 0
 
 
-def test_causal_convs_hand_values():
+@pytest.mark.parametrize("convs", [reference.causal_convs, library.causal_convs], ids=["reference", "library"])
+def test_causal_convs_hand_values(convs):
     """One channel, k0 = k1 = 2: the biases reach a document's first token through zero inputs."""
     qk = torch.tensor([[1.0], [2.0], [3.0]])  # documents [1, 2] and [3]
     doc_offset = torch.tensor([0, 1, 0])
     dw_w, dw_b = torch.tensor([[[0.5, 2.0]]]), torch.tensor([1.0])  # 0.5 x(t-1) + 2 x(t) + 1
     gr_w, gr_b = torch.tensor([[[0.25, 1.0]]]), torch.tensor([-1.0])  # 0.25 h(t-1) + h(t) - 1
     # h(-1) = 1 (bias only), h(0) = 1 + 2 = 3, h(1) = 1 + 0.5 + 4 = 5.5; second document h = 1, 7.
-    out = reference.causal_convs(qk, dw_w, dw_b, gr_w, gr_b, doc_offset)
+    out = convs(qk, dw_w, dw_b, gr_w, gr_b, doc_offset)
     assert out.flatten().tolist() == [-1 + 0.25 * 1 + 3, -1 + 0.25 * 3 + 5.5, -1 + 0.25 * 1 + 7]
 
 
@@ -181,7 +222,9 @@ def test_reference_equals_padded_per_document_convolution():
         assert torch.equal(got, expected)
 
 
-def test_dispatch(triton_backend):
+def test_dispatch(triton_backend, monkeypatch):
+    from zrl.modeling import kernels
+
     leaves, rest = make_case([5, 3], 2, 1, 32, 2, 2, 16, torch.device("cpu"), seed=4)
     from zrl.moepp.kernels.cca import triton_kernel
 
@@ -194,6 +237,13 @@ def test_dispatch(triton_backend):
     assert all(torch.equal(a, b) for a, b in zip(ref, reference.cca_precondition(*args)))
     with use_backend("auto"):  # auto never picks Triton for CPU tensors
         assert all(torch.equal(a, b) for a, b in zip(cca_precondition(*args), ref))
+    # What AUTO_ON_CUDA's "library" would run: the reference with the library's convolutions
+    library_run = reference.cca_precondition(*args, convs=library.causal_convs)
+    calls, convs = [], library.causal_convs
+    monkeypatch.setattr(kernels, "resolve", lambda op, x: "library")
+    monkeypatch.setattr(library, "causal_convs", lambda *a: calls.append(a) or convs(*a))
+    assert all(torch.equal(a, b) for a, b in zip(cca_precondition(*args), library_run)) and len(calls) == 1
+    monkeypatch.undo()
     # Shapes the tiles cannot take raise when Triton is forced (auto would use the reference).
     bad_leaves, bad_rest = make_case([4], 2, 1, 24, 2, 2, 12, torch.device("cpu"))
     with pytest.raises(ValueError, match="head_dim must be a power of two"):
