@@ -46,4 +46,3 @@ def causal_convs(qk: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tenso
     b1 = to_op_dtype(gr_bias, Fp32Op.CCA_STATE).view(groups, 1, d)
     out = torch.baddbmm(b1, taps.view(t, groups, k1 * d).transpose(0, 1), w1.reshape(groups, k1 * d, d))
     return out.transpose(0, 1).reshape(t, channels)  # [G, T, d] -> [T, C]
-
