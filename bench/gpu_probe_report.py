@@ -12,7 +12,7 @@ import math
 import statistics
 
 from moepp_kernels_work import datasheet_bf16
-from roofline import MFU_GOAL, _num, _pct
+from roofline import MFU_GOAL, RECIPE_MICROBATCHES, _num, _pct
 
 from zrl.modeling.kernels import AUTO_ON_CUDA
 from zrl.moepp.config import zaya1_8b_config
@@ -29,10 +29,6 @@ FUSED_HEAD_GOAL = 1.5
 CCA_SPEEDUP_GOAL, CCA_MS_GOAL = 1.5, 4.0
 MFU_GOAL_MEASURED = 0.20  # of the data sheet, measured at the probe's smallest layer count (MFU_GOAL: projected)
 PROJECTED_LAYERS = zaya1_8b_config().num_hidden_layers  # 40
-# Microbatches per rank and optimizer step in recipes/zaya1-cascade.yaml: 128 prompts x 16 rollouts of
-# ~20.2k tokens (1,024 prompt + 19.2k mean response: zrl.plan's WorkloadSpec) over 16 trainer ranks, in
-# microbatches of trainer_microbatch_tokens = 131,072 (tests/unit/test_gpu_probe.py recomputes it).
-RECIPE_MICROBATCHES = 20
 FLOP_CONVENTION = (
     "Model FLOPs per step (bench/moepp_kernels_work.py, `model_step_flops`) are 3 x the forward (backward = 2 x "
     "forward): per layer the q, k, v, o projections, causal attention (2 Hq d sum S_i^2 over the documents S_i: "

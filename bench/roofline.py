@@ -10,8 +10,8 @@ import dataclasses
 import datetime
 import math
 
-from moepp_kernels_work import (FULL, LM_HEAD_DOTS, doc_lengths, model_step_flops, optimizer_shapes,
-                                training_step_ops)
+from moepp_kernels_work import (FULL, LM_HEAD_DOTS, datasheet_bf16, doc_lengths, model_step_flops,
+                                optimizer_shapes, training_step_ops)
 
 MFU_GOAL = 0.30  # the trainer's MFU goal (forward + backward): the probe holds its projected 40-layer step to it
 # against the data sheet; this estimate holds a 4-layer step to it against its GEMM rate (ROOFLINE)
@@ -25,13 +25,23 @@ def _num(x: float, spec: str) -> str:
     return "-" if x is None or not math.isfinite(x) else format(x, spec)
 
 
+# Microbatches per rank and optimizer step in recipes/zaya1-cascade.yaml: 128 prompts x 16 rollouts of
+# ~20.2k tokens (1,024 prompt + 19.2k mean response: zrl.plan's WorkloadSpec) over 16 trainer ranks, in
+# microbatches of trainer_microbatch_tokens = 131,072 (tests/unit/test_gpu_probe.py recomputes it).
+RECIPE_MICROBATCHES, RECIPE_MICROBATCH_TOKENS = 20, 131072
+OPTIMIZER_OPS = ("muon", "adamw")  # once per optimizer step; every other op once per microbatch
+
+DATASHEET_TFLOPS = datasheet_bf16("NVIDIA H200")[1] / 1e12  # what the probe's MFU goal divides by
+
 ROOFLINE = dict(gemm_tflops=790.0, fp32_tflops=67.0, hbm_tbs=4.8, efficiency=0.70)  # H200: measured GEMM, data sheet
 
 
 def roofline(layers: int = 4, tokens: int = 65536, doc_len: int = 1024, checkpointing: bool = True,
-             lm_head_dots: tuple[int, int] = LM_HEAD_DOTS, **rates) -> dict:
+             lm_head_dots: tuple[int, int] = LM_HEAD_DOTS, microbatches: int = 1, **rates) -> dict:
     """The step of moepp_kernels_work.training_step_ops on the ZAYA1-8B layer shape against a roofline:
-    per op max(FLOPs / rate, bytes / bandwidth), and the step if every op ran at `efficiency` of its bound."""
+    per op max(FLOPs / rate, bytes / bandwidth), and the step if every op ran at `efficiency` of its bound.
+    The step has `microbatches` microbatches of `tokens` tokens and one optimizer step (OPTIMIZER_OPS);
+    each row is one microbatch's op, or the optimizer's."""
     r = {**ROOFLINE, **rates}
     config = dataclasses.replace(FULL.config(), num_hidden_layers=layers)
     docs = doc_lengths(tokens, doc_len, ragged=False)
@@ -43,11 +53,11 @@ def roofline(layers: int = 4, tokens: int = 65536, doc_len: int = 1024, checkpoi
         rate = (r["gemm_tflops"] if op.tensor_cores else r["fp32_tflops"]) * 1e12
         compute_s, memory_s = op.flops / rate, op.bytes / (r["hbm_tbs"] * 1e12)
         rows.append(dict(op=op, compute_s=compute_s, memory_s=memory_s, bound_s=max(compute_s, memory_s)))
-    model = model_step_flops(FULL, layers, docs, [routed] * layers)
-    bound = sum(row["bound_s"] for row in rows)
+    model = microbatches * model_step_flops(FULL, layers, docs, [routed] * layers)
+    bound = sum(row["bound_s"] * (1 if row["op"].name in OPTIMIZER_OPS else microbatches) for row in rows)
     step = bound / r["efficiency"]
     return dict(rows=rows, rates=r, layers=layers, tokens=sum(docs), docs=len(docs), routed=routed,
-                model_flops=model, bound_s=bound, step_s=step, mfu=model / step / (r["gemm_tflops"] * 1e12),
+                microbatches=microbatches, model_flops=model, bound_s=bound, step_s=step, mfu=model / step / (r["gemm_tflops"] * 1e12),
                 mfu_bound=model / bound / (r["gemm_tflops"] * 1e12), checkpointing=checkpointing,
                 lm_head_dots=lm_head_dots)
 
@@ -102,10 +112,14 @@ def render_roofline() -> str:
         ("LM head in plain bf16 (1 + 2; not the fp32 op set, the transformers path)", dict(lm_head_dots=(1, 2))),
         ("no activation checkpointing", dict(checkpointing=False)),
         ("40 layers (ZAYA1-8B), LM head as above", dict(layers=40)),
+        (f"40 layers, the recipe's step: {RECIPE_MICROBATCHES} microbatches of {RECIPE_MICROBATCH_TOKENS:,} tokens, "
+         "one optimizer step", dict(layers=40, tokens=RECIPE_MICROBATCH_TOKENS, microbatches=RECIPE_MICROBATCHES)),
     ]
     for label, kw in variants:
         v = roofline(**kw)
         lines.append(f"| {label} | {v['step_s']:.3f} | {_pct(v['mfu'])} | {_pct(v['mfu_bound'])} |")
+    recipe = v  # the last variant: what the probe's 40-layer projection is held to the goal on
+    sheet = DATASHEET_TFLOPS / r["gemm_tflops"]
     head = next(row for row in base["rows"] if row["op"].name == "lm_head")
     full = roofline(layers=40)
     full_head = next(row for row in full["rows"] if row["op"].name == "lm_head")
@@ -124,6 +138,10 @@ def render_roofline() -> str:
                f"MFU {MFU_GOAL:.0%} at {eff:.0%} of every bound is out of this step's reach whatever its LM head's "
                "GEMMs cost: the rest of the step (the LM head's passes over its [c, V] blocks included) takes longer "
                "than that MFU allows."),
+              "", f"At the recipe's step (the last row: Muon and AdamW once per {recipe['microbatches']} microbatches) "
+              f"{_pct(recipe['mfu'])} of the GEMM rate is {_pct(recipe['mfu'] / sheet)} of the data sheet's "
+              f"{DATASHEET_TFLOPS:.0f} TFLOP/s, against the goal of {MFU_GOAL:.0%}; {_pct(recipe['mfu_bound'] / sheet)} "
+              "at 100% of every bound.",
               "", "Not modelled: kernel launch overheads and gaps, host synchronisations, Triton compilation, L2 "
               "re-reads of tiles, and overlap between ops."]
     return "\n".join(lines) + "\n"

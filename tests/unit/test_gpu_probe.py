@@ -128,6 +128,11 @@ def test_roofline_bound_is_the_sum_of_per_op_bounds_and_moves_with_the_lm_head()
     bf16_head = roofline.roofline(lm_head_dots=(1, 2))
     assert bf16_head["mfu"] > base["mfu"]  # the split LM head is what the projection hinges on
     assert bf16_head["model_flops"] == base["model_flops"]  # MFU counts the same work either way
+    # the recipe's step: every op once per microbatch, Muon and AdamW once per optimizer step
+    step = roofline.roofline(microbatches=20)
+    optimizer = sum(row["bound_s"] for row in base["rows"] if row["op"].name in ("muon", "adamw"))
+    assert optimizer > 0 and step["bound_s"] == pytest.approx(20 * (base["bound_s"] - optimizer) + optimizer)
+    assert step["model_flops"] == 20 * base["model_flops"] and step["mfu"] > base["mfu"]
 
 
 def test_roofline_mode_writes_its_file(tmp_path):
