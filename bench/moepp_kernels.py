@@ -15,7 +15,7 @@ router latent R 256, V 262,272) against, in the same run and with the same weigh
   library       for the LM head: its library formulation (lm_logprobs/library.py: the reference's chunks
                 with every product a sum of bf16 cuBLAS GEMMs on exact parts of the fp32 operands); for
                 the CCA: the reference with its convolutions as shifted sums and one batched GEMM
-                (cca/library.py, no host sync)
+                (cca/library.py, no padded stream)
   fused         for the LM head: the head fused with the RL loss (lm_logprobs/fused.py, what the trainer's
                 loss runs): dh and dW formed in the forward, its "fwd" row is the whole head; beside it the
                 split products with dh and dW at order 1 (the default before 2026-11-28), for what the orders cost

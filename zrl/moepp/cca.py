@@ -116,7 +116,8 @@ class CCAttention(nn.Module):
         cos, sin = rope
         # mean skip, both convolutions, QK-norm with qk_norm.temp and partial RoPE in one op
         q, k = cca_precondition(q, k, dw.weight, dw.bias, gr.weight, gr.bias, self.qk_norm.temp, layout.doc_offset,
-                                cos, sin, proj.num_q_heads, proj.num_kv_heads, proj.head_dim)  # fp32
+                                cos, sin, proj.num_q_heads, proj.num_kv_heads, proj.head_dim,
+                                num_docs=layout.num_docs)  # fp32
         dtype = self.o_proj.weight.dtype
         out = causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), layout)  # [T, Hq, d]
         return linear(out.reshape(out.shape[0], -1), self.o_proj)

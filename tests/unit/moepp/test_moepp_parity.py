@@ -93,8 +93,8 @@ def test_bf16_mode_keeps_fp32_ops(monkeypatch):
         layer.register_forward_hook(record(i))
     q_dtypes = []
 
-    def recording_precondition(*args):
-        q, k = cca_precondition(*args)
+    def recording_precondition(*args, **kwargs):
+        q, k = cca_precondition(*args, **kwargs)
         q_dtypes.append(q.dtype)
         return q, k
 

@@ -35,7 +35,7 @@ _chosen: str | None = None  # set_backend's value; None = read the environment
 # What "auto" runs for CUDA tensors, per op, from fwd+bwd timings on one H200 (torch 2.11, Triton
 # 3.6; bench/results/nvidia-h200-2026-11-27*.md; the op's README, "Choice on CUDA", has the figures). "library" = the op's library formulation
 # (experts: torch._grouped_mm; lm_logprobs: the reference's chunks with bf16 cuBLAS GEMMs on exact parts
-# of the fp32 operands; cca: the reference with its convolutions as one batched GEMM, no host sync) where
+# of the fp32 operands; cca: the reference with its convolutions as one batched GEMM, no padded stream) where
 # the op's inputs suit it, else the reference.
 AUTO_ON_CUDA = {
     "experts": "library",  # grouped_mm 5.0 / 16.8 ms vs Triton 7.4 / 25.3 ms at 16k / 64k tokens

@@ -3,13 +3,15 @@
 `cca_precondition` is the one entry point the model calls; it runs the fused Triton kernel
 (triton_kernel.py) when `resolve("cca", q)` says Triton and the shapes suit its tiles (head_dim a
 power of two >= 16, rotary_dim / 2 a power of two or rotary_dim 0); the reference with its convolutions
-as shifted sums and one batched GEMM (library.py: no host sync) when it says "library"; and the PyTorch
+as shifted sums and one batched GEMM (library.py, no padded stream) when it says "library"; and the PyTorch
 reference (reference.py, the definition) otherwise. "auto" runs the reference on CUDA too: it was
 measured faster than the kernel (README, "Choice on CUDA"); the library formulation awaits its GPU
 figures. With the backend forced to "triton", shapes the kernel cannot take raise instead of falling back.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -20,7 +22,7 @@ from zrl.moepp.kernels.cca import library, reference
 def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor,
                      gr_weight: torch.Tensor, gr_bias: torch.Tensor, temp: torch.Tensor, doc_offset: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     head_dim: int, num_docs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q/k projections -> the q/k that enter attention (T tokens, C = (Hq + Hk) d channels).
 
     q [T, Hq d], k [T, Hk d]: the projections' outputs (compute dtype).
@@ -28,6 +30,8 @@ def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, 
     grouped convolution (Hq + Hk groups); temp [Hk]: key temperature.
     doc_offset [T] int64: tokens since the start of each token's document (no look-back past it).
     cos, sin [T, rotary_dim / 2] fp32 (rotary_dim may be 0): rotate-half RoPE tables.
+    num_docs: the number of documents where the caller has it on the host (the reference then reads
+    nothing from the device; without it, it reads the count once).
     Returns q [T, Hq, d], k [T, Hk, d] fp32. Differentiable w.r.t. q, k, the convolutions' weights and
     biases and temp (not cos/sin, not doc_offset).
     """
@@ -39,7 +43,8 @@ def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, 
         if reason is None or kernels.get_backend() == "triton":
             return triton_kernel.cca_precondition(q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset,
                                                   cos, sin, num_q_heads, num_kv_heads, head_dim)
-    convs = library.causal_convs if choice == "library" else reference.causal_convs
+    convs = library.causal_convs if choice == "library" else functools.partial(reference.causal_convs,
+                                                                                num_docs=num_docs)
     return reference.cca_precondition(q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset, cos, sin,
                                       num_q_heads, num_kv_heads, head_dim, convs=convs)
 

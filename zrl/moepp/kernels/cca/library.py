@@ -1,8 +1,8 @@
-"""The CCA preconditioner's two convolutions as shifted sums and one batched GEMM: no host sync.
+"""The CCA preconditioner's two convolutions as shifted sums and one batched GEMM on the unpadded stream.
 
 The reference (reference.py, the definition) lays the stream out with zero columns before each
-document and runs two `F.conv1d`s over it; sizing that stream reads the document count on the host,
-once per call. Here the same values come from the unpadded stream, for a token t at offset o(t) in its
+document and runs two `F.conv1d`s (cuDNN on CUDA) over it, sized by the document count. Here the same
+values come from the unpadded stream, with no count at all, for a token t at offset o(t) in its
 document (w0 [C, k0], b0 the depthwise convolution; W1 [C, d, k1], b1 the grouped one):
   h(t)      = b0 + sum_{a < k0} w0[:, k0-1-a] x(t-a) [o(t) >= a]   zero history at the first input
   h_tau(t)  = h(t-tau) if o(t) >= tau, else b0                     the first convolution's output

@@ -39,21 +39,23 @@ def mean_skip(q: torch.Tensor, k: torch.Tensor, num_q_heads: int, num_kv_heads: 
 
 
 def causal_convs(qk: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor, gr_weight: torch.Tensor,
-                 gr_bias: torch.Tensor, doc_offset: torch.Tensor) -> torch.Tensor:
+                 gr_bias: torch.Tensor, doc_offset: torch.Tensor, num_docs: int | None = None) -> torch.Tensor:
     """Both causal convolutions with zero history per document. qk [T, C] -> [T, C] fp32 (CCA_STATE).
 
     dw_weight [C, 1, k0], dw_bias [C], gr_weight [C, d, k1], gr_bias [C]; `doc_offset` [T] = tokens
-    since the token's document start. The stream is laid out with P = k0 + k1 - 2 zero columns before
+    since the token's document start; `num_docs` the number of documents, when the caller has it on the
+    host (`PackedLayout.num_docs`). The stream is laid out with P = k0 + k1 - 2 zero columns before
     each document; running the convolutions without padding over it gives, for a token at padded
-    column p, the window [p - P, p], which never reaches into the previous document. One host
-    synchronisation (the number of documents sizes the padded stream). This layout is also the
-    fastest of the PyTorch formulations tried on CPU (a per-token window gather was about 2x slower and
-    its backward was not bitwise reproducible under thread contention).
+    column p, the window [p - P, p], which never reaches into the previous document. The document count
+    sizes the padded stream: without `num_docs` it is read from the device, a host synchronisation. This
+    layout is also the fastest of the PyTorch formulations tried on CPU (a per-token window gather was
+    about 2x slower and its backward was not bitwise reproducible under thread contention).
     """
     t, channels = qk.shape
     history = dw_weight.shape[-1] - 1 + gr_weight.shape[-1] - 1
     doc_idx = torch.cumsum(doc_offset == 0, dim=0) - 1  # [T] document of each token
-    num_docs = int(doc_idx[-1]) + 1 if t else 0
+    if num_docs is None:
+        num_docs = int(doc_idx[-1]) + 1 if t else 0
     conv_index = torch.arange(t, device=qk.device) + history * (doc_idx + 1)  # [T] column in the padded stream
     padded = qk.new_zeros(t + history * num_docs, channels, dtype=torch.float32)
     padded = padded.index_copy(0, conv_index, to_op_dtype(qk, Fp32Op.CCA_STATE))  # [T + N P, C]

@@ -9,6 +9,7 @@ The Triton launches of every CUDA case (shapes, dtypes, tiles) are also compiled
 GPU: sm90_drivers.py lists them, and a new CUDA case needs its line there.
 """
 
+import functools
 import math
 
 import pytest
@@ -134,7 +135,8 @@ def test_library_convs_match_reference(device, d, hq, hk, k0, k1, rotary):
 
 
 def test_library_convs_make_no_host_sync():
-    """The reference reads the document count on the host (one `.item()` per call); library.py reads none."""
+    """The reference reads the document count on the host (one `.item()` per call) unless it is given the
+    count (as the model gives it, from the layout); library.py reads none."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Reads(TorchDispatchMode):
@@ -149,10 +151,14 @@ def test_library_convs_make_no_host_sync():
     leaves, (doc_offset, *_) = make_case(RAGGED, 2, 1, 32, 3, 2, 0, torch.device("cpu"), seed=5)
     q, k, dw, db, gw, gb, _ = leaves
     qk = torch.cat([q, k], -1)
-    for convs, reads in ((reference.causal_convs, 1), (library.causal_convs, 0)):
+    outs = []
+    for convs, reads in ((reference.causal_convs, 1), (functools.partial(reference.causal_convs, num_docs=5), 0),
+                         (library.causal_convs, 0)):
         with Reads() as mode:
-            convs(qk, dw, db, gw, gb, doc_offset).square().sum().backward()
-        assert mode.count == reads, convs.__module__
+            outs.append(convs(qk, dw, db, gw, gb, doc_offset))
+            outs[-1].square().sum().backward()
+        assert mode.count == reads, convs
+    assert torch.equal(outs[0], outs[1])  # the count given, the same stream and values
 
 
 # inf in one document makes NaN there (numpy warns inside the interpreter); the test is that it stays there.
