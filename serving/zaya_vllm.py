@@ -47,6 +47,7 @@ from zrl.moepp.blocks import ResidualScaling
 from zrl.moepp.cca import QKNorm
 from zrl.moepp.config import MoEPPConfig
 from zrl.modeling.kernels.lm_logprobs.library import SplitProducts
+from zrl.modeling.precision import fp32_without_tf32
 from zrl.modeling.precision import Fp32Op, to_op_dtype
 from zrl.moepp.router import ZayaRouter
 
@@ -197,6 +198,7 @@ class ZayaForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         _check_supported(vllm_config)
+        fp32_without_tf32()  # the FP32 op set in fp32 here as in the trainer (zrl/modeling/precision.py)
         config = moepp_config(vllm_config)
         self.config = config
         self.compute_dtype = vllm_config.model_config.dtype

@@ -43,6 +43,17 @@ class Fp32Op(enum.Enum):
 FP32_OPS: frozenset[Fp32Op] = frozenset(Fp32Op)
 
 
+def fp32_without_tf32() -> None:
+    """Keep fp32 math fp32 on CUDA in this process: no TF32 in cuDNN's convolutions (torch's default is on:
+    the CCA reference's convolutions, CCA_STATE, would round their inputs to TF32's 10 mantissa bits,
+    ~1e-3 relative) nor in cuBLAS's fp32 GEMMs (off by default; the rollout engine's CCA convolutions are
+    one, an einsum). Both sides then compute the FP32 op set alike. The trainer and the vLLM model call it
+    when they build the model. (torch's legacy flags, which the `allow_tf32` readers expect: setting its
+    newer `fp32_precision` API as well makes those readers raise.)"""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def op_dtype(op: Fp32Op, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype `op` runs in when the model computes in `compute_dtype`."""
     return torch.float32 if op in FP32_OPS else compute_dtype

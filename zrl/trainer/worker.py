@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from zrl.models import family_of_checkpoint
 from zrl.modeling import kernels
 from zrl.modeling.lora import apply_lora, initial_adapter_state
+from zrl.modeling.precision import fp32_without_tf32
 from zrl.optim import MuonAdamW, lr_scheduler
 from zrl.trainer import checkpoint as ckpt
 from zrl.trainer.activations import OffloadSavedTensors, configure_checkpointing
@@ -125,6 +126,7 @@ class TrainerWorker:
         (B = 0) with the base weights."""
         config = self.family.read_config(self.model_path)
         kernels.set_backend(self.settings.kernels)
+        fp32_without_tf32()
         lora = self.settings.lora
         base_dtype = self.settings.torch_param_dtype if lora is not None else torch.float32
         with torch.device("meta"):

@@ -93,7 +93,15 @@ def test_train_step_equals_reference_step(tiny_checkpoint, single_rank):
 
 
 def test_batch_version_must_match(tiny_checkpoint, single_rank):
-    worker = TrainerWorker(single_rank, tiny_checkpoint, settings())
+    # (and the worker turns TF32 off for its fp32 math: cuDNN has it on by default, which would run the CCA
+    # reference's convolutions at TF32 on CUDA)
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        worker = TrainerWorker(single_rank, tiny_checkpoint, settings())
+        assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
     ref = load_hf_checkpoint(tiny_checkpoint)
     with pytest.raises(ValueError, match="pulled at trainer step 3, the policy is at 0"):
         worker.train_step(worker.share_of(make_batch(ref, trainer_step=3)))

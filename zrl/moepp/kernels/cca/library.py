@@ -9,10 +9,9 @@ document (w0 [C, k0], b0 the depthwise convolution; W1 [C, d, k1], b1 the groupe
                                                                    over that zero history
   out(t)    = b1 + sum_{tau < k1} W1[:, :, k1-1-tau] h_tau(t)       per group of d channels
 The grouped products are one `torch.baddbmm` over the Hq + Hk groups: [G, T, k1 d] x [G, k1 d, d],
-the k1 lagged copies of h side by side along K. Everything is fp32 (CCA_STATE). On CUDA cuBLAS runs the
-products at torch's fp32 matmul precision (`torch.backends.cuda.matmul.allow_tf32`, default off: full
-fp32), where the reference's cuDNN convolutions follow `torch.backends.cudnn.allow_tf32` (default on:
-TF32). Mean skip, residual, QK-norm and RoPE stay the reference's: it takes these as `convs`.
+the k1 lagged copies of h side by side along K. Everything is fp32 (CCA_STATE; the trainer keeps cuBLAS's
+fp32 GEMMs off TF32, `precision.fp32_without_tf32`). Mean skip, residual, QK-norm and RoPE stay the
+reference's: it takes these as `convs`.
 """
 
 from __future__ import annotations
