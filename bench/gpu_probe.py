@@ -102,6 +102,7 @@ from gpu_probe_report import FLOP_CONVENTION, PartResult, base_runs, goals, rend
 from gpu_probe_trainer import (FIT_MEMORY_SHARE, first_line, next_fit_layers, part_trainer,  # noqa: E402
                                predicted_fit_layers, profiled)
 from roofline import render_roofline  # noqa: E402
+from zrl.modeling.precision import fp32_without_tf32  # noqa: E402
 
 # (part, argument, seconds it is planned to take): most important first; a later part gets what an
 # earlier one leaves unused. The sum is the default --budget-s less process start-ups. A trainer part's
@@ -266,6 +267,7 @@ def attention_groups(ctx, tokens: int) -> list:
 def part_kernels(args: argparse.Namespace, emit: Rows) -> None:
     import moepp_kernels as mk
 
+    fp32_without_tf32()  # fp32 math as the trainer runs it (TrainerWorker sets the same): no TF32 in cuDNN
     cuda = torch.cuda.is_available()
     tokens = int(SMOKE_ARGS.get(args.part_arg, args.part_arg) if args.smoke else args.part_arg)
     try:

@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/..
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its work formulas, beside it
 
 from zrl.modeling.kernels import interpreting, triton_available, use_backend  # noqa: E402
+from zrl.modeling.precision import fp32_without_tf32  # noqa: E402
 from moepp_kernels_work import (FULL, SMALL, Shape, Work, cca_work, dense_gemm_flops,  # noqa: E402
                                 device_peaks, doc_lengths, experts_work, layer_flops, lm_logprobs_work,
                                 residual_norm_work, router_work)
@@ -554,6 +555,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "triton" in args.impls and not triton_available():
         sys.exit("--impls triton: Triton is not installed")
     torch.set_num_threads(args.threads)
+    fp32_without_tf32()  # fp32 math as the trainer runs it (TrainerWorker sets the same): no TF32 in cuDNN
     device = torch.device("cuda" if cuda else "cpu")
     try:
         import transformers
