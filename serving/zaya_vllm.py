@@ -47,8 +47,7 @@ from zrl.moepp.blocks import ResidualScaling
 from zrl.moepp.cca import QKNorm
 from zrl.moepp.config import MoEPPConfig
 from zrl.modeling.kernels.lm_logprobs.library import SplitProducts
-from zrl.modeling.precision import fp32_without_tf32
-from zrl.modeling.precision import Fp32Op, to_op_dtype
+from zrl.modeling.precision import Fp32Op, fp32_without_tf32, to_op_dtype
 from zrl.moepp.router import ZayaRouter
 
 # HF names of the four projections fused into one GEMM, in output order.
