@@ -392,8 +392,6 @@ def _fused_head_loss(ctx: Ctx, hidden: torch.Tensor, weight: torch.Tensor, targe
     """The LM head fused with the RL loss (lm_logprobs.head_loss, what the trainer runs: DPPO Binary-TV,
     Dr-GRPO aggregation) under `auto`: its forward forms dh and dW, its backward scales them. With `order`:
     the split products with dh and dW at that order instead of the defaults (fused.py)."""
-    import functools
-
     from zrl.algorithms import policy_loss_grad, token_weights
     from zrl.modeling.kernels.lm_logprobs import head_loss
     from zrl.modeling.kernels.lm_logprobs.fused import FusedSplitProducts, fused_head_loss
