@@ -138,10 +138,10 @@ def cca_work(s: Shape, tokens: int, act: int) -> Work:
     """CCA preconditioner on q [T, Hq d], k [T, Hk d] in the compute dtype (a bytes), C = (Hq + Hk) d.
 
     FLOPs per token, useful work: depthwise conv 2 k0 C, grouped conv 2 k1 d C (d inputs per output
-    channel), mean skip + residual + norm + temperature ~10 C, RoPE 3 rotary (Hq + Hk); backward the
-    minimum 2x (the kernel's executed backward is (k0 + 2)x on the convolutions: cca README).
-    Bytes (cca README; cos and sin [T, rotary / 2] fp32 each = 4 T rotary): forward q, k read T C a,
-    q, k written fp32 4 T C, doc_offset 8 T; backward T C (3 a + 12 + k1 (4 + a)) plus cos and sin.
+    channel), mean skip + residual + norm + temperature ~10 C, RoPE 3 rotary (Hq + Hk); backward 2x.
+    Bytes, those of one fused pass per direction (cos and sin [T, rotary / 2] fp32 each = 4 T rotary):
+    forward q, k read T C a, q, k written fp32 4 T C, doc_offset 8 T; backward T C (3 a + 12 + k1 (4 + a))
+    plus cos and sin. What each path really moves: bench/cca_traffic.py.
     """
     per_token = 2 * s.k0 * s.C + 2 * s.k1 * s.d * s.C + 10 * s.C + 3 * s.rotary * (s.Hq + s.Hk)
     rope = tokens * s.rotary * 4

@@ -39,7 +39,7 @@ _chosen: str | None = None  # set_backend's value; None = read the environment
 # the op's inputs suit it, else the reference.
 AUTO_ON_CUDA = {
     "experts": "library",  # grouped_mm 5.0 / 16.8 ms vs Triton 7.4 / 25.3 ms at 16k / 64k tokens
-    "cca": "reference",  # reference 2.1 / 6.9 ms vs Triton 3.3 / 15.0 ms (fwd / fwd+bwd, 16k tokens)
+    "cca": "reference",  # 2.1 / 6.9 ms (fwd / fwd+bwd, 16k tokens); its Triton and library paths untimed
     # Triton (tensor-core split kernel) 445 / 2,424 ms vs the fp32 reference 385 / 1,535 ms (fwd /
     # fwd+bwd, V 262,272, 16k tokens, 2026-11-27): the library formulation replaces both
     "lm_logprobs": "library",  # 482 ms fwd+bwd at 16k tokens (transformers' bf16 head: 133 ms)

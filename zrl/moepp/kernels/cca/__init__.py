@@ -1,12 +1,12 @@
 """CCA preconditioner: mean skip + two causal convolutions + QK-norm + temperature + partial RoPE.
 
-`cca_precondition` is the one entry point the model calls; it runs the fused Triton kernel
-(triton_kernel.py) when `resolve("cca", q)` says Triton and the shapes suit its tiles (head_dim a
-power of two >= 16, rotary_dim / 2 a power of two or rotary_dim 0); the reference with its convolutions
-as shifted sums and one batched GEMM (library.py, no padded stream) when it says "library"; and the PyTorch
-reference (reference.py, the definition) otherwise. "auto" runs the reference on CUDA too: it was
-measured faster than the kernel (README, "Choice on CUDA"); the library formulation awaits its GPU
-figures. With the backend forced to "triton", shapes the kernel cannot take raise instead of falling back.
+`cca_precondition` is the one entry point the model calls. Under `resolve("cca", q)`:
+  "triton"     the grouped convolution as one batched cuBLAS GEMM, the depthwise convolution's taps
+               before it and everything after it in Triton (triton_kernel.py)
+  "library"    the same convolutions, with the reference's PyTorch ops after them
+  "reference"  the definition (reference.py): cuDNN convolutions over a padded stream, PyTorch ops
+"auto" runs the reference on CUDA until the probe measures one of the others faster (README, "Choice on
+CUDA").
 """
 
 from __future__ import annotations
@@ -39,10 +39,8 @@ def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, 
     if choice == "triton":
         from zrl.moepp.kernels.cca import triton_kernel  # lazy: Triton picks interpreter/compiler at import
 
-        reason = triton_kernel.unsupported_reason(num_q_heads, num_kv_heads, head_dim, 2 * cos.shape[-1])
-        if reason is None or kernels.get_backend() == "triton":
-            return triton_kernel.cca_precondition(q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset,
-                                                  cos, sin, num_q_heads, num_kv_heads, head_dim)
+        return triton_kernel.cca_precondition(q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset, cos,
+                                              sin, num_q_heads, num_kv_heads, head_dim)
     convs = library.causal_convs if choice == "library" else functools.partial(reference.causal_convs,
                                                                                 num_docs=num_docs)
     return reference.cca_precondition(q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset, cos, sin,

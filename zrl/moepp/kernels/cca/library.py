@@ -40,8 +40,14 @@ def causal_convs(qk: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tenso
     w0, b0 = to_op_dtype(dw_weight, Fp32Op.CCA_STATE)[:, 0], to_op_dtype(dw_bias, Fp32Op.CCA_STATE)  # [C, k0], [C]
     h = b0 + sum(w0[:, k0 - 1 - a] * _lagged(x, a, doc_offset, 0.0) for a in range(k0))  # [T, C]
     taps = torch.stack([_lagged(h, tau, doc_offset, b0).view(t, groups, d) for tau in range(k1)], dim=2)
-    # W1 as [G, k1 d, d]: row tau d + i, column o holds W1[g d + o, i, k1-1-tau]
-    w1 = to_op_dtype(gr_weight, Fp32Op.CCA_STATE).view(groups, d, d, k1).flip(-1).permute(0, 3, 2, 1)
     b1 = to_op_dtype(gr_bias, Fp32Op.CCA_STATE).view(groups, 1, d)
-    out = torch.baddbmm(b1, taps.view(t, groups, k1 * d).transpose(0, 1), w1.reshape(groups, k1 * d, d))
+    out = torch.baddbmm(b1, taps.view(t, groups, k1 * d).transpose(0, 1),
+                        gemm_weight(to_op_dtype(gr_weight, Fp32Op.CCA_STATE)))
     return out.transpose(0, 1).reshape(t, channels)  # [G, T, d] -> [T, C]
+
+
+def gemm_weight(gr_weight: torch.Tensor) -> torch.Tensor:
+    """The grouped convolution's weight [C, d, k1] as the batched GEMM's [G, k1 d, d]: row tau d + i,
+    column o of group g holds gr_weight[g d + o, i, k1-1-tau] (lag tau's taps at columns tau d .. tau d + d)."""
+    channels, d, k1 = gr_weight.shape
+    return gr_weight.view(channels // d, d, d, k1).flip(-1).permute(0, 3, 2, 1).reshape(channels // d, k1 * d, d)

@@ -1,29 +1,37 @@
-"""Fused Triton CCA preconditioner: mean skip, both causal convolutions, residual, QK-norm, temperature
-and partial RoPE in one pass per (token block, head); backward in three Triton kernels.
+"""CCA preconditioner on CUDA: the grouped convolution as one batched cuBLAS GEMM, everything around it
+in Triton, one autograd function.
 
-Definition: reference.py (shapes: T tokens, Hq/Hk query/KV heads, d head dim, C = (Hq + Hk) d,
-Hq / Hk query heads per KV head, r = rotary dim, k0/k1 the two kernel sizes, P = k0 + k1 - 2). Head h < Hq reads its
-channels from q, head h >= Hq from k (channel block h of the concatenation [q, k]).
-
-For a token t (o = doc_offset[t]) and a head, with x the head's input channels:
-  h1(t - m) = b0 + sum_j w0[:, j] * x(t - m - (k0 - 1 - j))   x at lag l > o is zero (document start)
-  y(t) = b1 + sum_tau W1_tau h1(t - (k1 - 1 - tau)) + res(t)   W1_tau = gr_weight[h d : h d + d, :, tau]
-A look-back past the document start reads zero *inputs*, so h1 there is b0, as in the reference.
-
-Backward (nothing but the inputs is saved; the kernels recompute):
-  _bwd_gy   recompute y, undo RoPE, QK-norm and temperature: gy [T, C] fp32 (scratch) and per-block
-            partial sums of gb1 [C] and g_temp [Hk]
-  _bwd_gx   g_h1(t + a) = sum_tau gy(t + a + k1 - 1 - tau) W1_tau (k0 k1 products per block),
-            gx = sum_a w0[:, k0 - 1 - a] g_h1(t + a) + mean-skip terms; per-block partial gw0 [C, k0];
-            one BLOCK_C-column slice of g_h1 / gx at a time (a loop in the program)
-  _bwd_gw1  gW1_tau = sum_t gy(t)^T h1(t - (k1 - 1 - tau)): split-T GEMM, one partial per split, one
-            BLOCK_C-column slice of gW1_tau per program
-Weight gradients are per-program partials summed by torch afterwards (deterministic, no atomics);
-gb0 = sum_tau W1_tau^T gb1 in closed form (every h1, real or before the start, carries b0 once).
+Definition: reference.py (shapes: T tokens, Hq/Hk query/KV heads, d head dim, G = Hq / Hk query heads
+per KV head, C = (Hq + Hk) d, r = rotary dim, k0/k1 the two kernel sizes; o(t) = doc_offset[t]).
+Forward, three launches:
+  _taps_fwd_kernel  the depthwise convolution at the k1 lags the grouped one reads, per (token block,
+                    head): taps[h, t, tau d + i] = b0 + sum_a w0[:, k0-1-a] x(t - tau - a) [o(t) >= tau + a]
+                    (zero history at the first input, so b0 alone before a document's start)
+  torch.baddbmm     conv [Hq + Hk, T, d] = b1 + taps [Hq + Hk, T, k1 d] x W1 [Hq + Hk, k1 d, d]
+                    (library.gemm_weight's layout; fp32, TF32 off: `precision.fp32_without_tf32`)
+  _fwd_kernel       the epilogue, per (token block, KV head j), so for the KV head and its G query heads
+                    at once (the mean skip needs them together):
+                      q_res(g) = (q(g) + k) / 2      k_res = mean_g q_res(g) = (mean_g q(g) + k) / 2
+                      y = conv + res                 n = sqrt(d) y / max(|y|, eps)   (k: times temp[j])
+                      out = RoPE(n): [a, b, rest] -> [a cos - b sin, b cos + a sin, rest]
+                    Each head's d channels are three tiles (RoPE's two halves and the rest), so the
+                    rotation is arithmetic between tiles; any d and r work (masked tiles).
+Backward (saved: q, k, taps, conv and the parameters; nothing is recomputed but y in the epilogue):
+  _bwd_kernel       g_n = RoPE^T(g_out); g_temp(j) = sum g_n . n / temp; g_m = g_n (q) or temp g_n (k);
+                    g_y = sqrt(d) / max(|y|, eps) (g_m - (g_m . y) y / |y|^2) (no projection term when
+                    |y| < eps, as the reference's clamp_min); g_conv = g_y; the residuals' share of the
+                    input gradients, fp32: g_q(g) = g_y(g) / 2 + g_y(k) / (2 G), g_k = sum_g g_y(g) / 2 + g_y(k) / 2
+  torch.bmm x 2     g_W1 = taps^T g_conv, g_taps = g_conv W1^T; g_b1 = sum_t g_conv
+  _taps_bwd_kernel  g_x(s) = the residuals' share + sum_{tau, a} w0[:, k0-1-a] g_taps_tau(s + tau + a) over
+                    rows of s's document, summed in fp32 and cast once to q's dtype (as the reference's
+                    one cast); partials of g_w0 and g_b0 per program
+Weight gradients are per-program partials summed by torch afterwards (deterministic, no atomics).
 
 T, the token count, changes every step: the kernels take it with `do_not_specialize`, so a new count
-never compiles a new variant (Triton would otherwise specialise on T % 16 == 0 and T == 1). T only
-bounds row masks and loops; the vectorised axis is the channels, so the specialisation bought nothing.
+never compiles a new variant (Triton would otherwise specialise on T % 16 == 0 and T == 1).
+
+Every product is fp32 (CCA_STATE, QK_NORM): the GEMMs are cuBLAS's; the Triton kernels have no matrix
+product, only elementwise work and row sums.
 """
 
 from __future__ import annotations
@@ -32,329 +40,312 @@ import torch
 import triton
 import triton.language as tl
 
-from zrl.modeling.kernels import interpreting
+from zrl.moepp.kernels.cca import library
+from zrl.modeling.precision import Fp32Op, to_op_dtype
 
 _EPS = torch.finfo(torch.float32).eps
-# 8 warps (with block_t 32): the fp32 [BLOCK_T, d] x [d, d] dots run on FMA units and keep whole d = 128
-# rows per thread; Triton's default 4 warps at block_t 64 spilled ~70 KB per thread in the forward
-# (sm_90a compile, sm90_check.py), 8 warps at block_t 32 spill 0.2 KB there. The backward's d x d
-# products go by BLOCK_C = 32 output columns at 8 warps: 0 spills (4 warps spilled 1-3 KB, BLOCK_C 64 2-24 KB).
-_NUM_WARPS = 8
+
+
+@triton.jit
+def _load_head(ptr, base, ok, HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr,
+               REST_P: tl.constexpr):
+    """One head's d channels at row offsets `base` [BLOCK_T] as fp32 tiles (a, b, rest): RoPE's halves
+    [BLOCK_T, HALF_P] and the channels after them [BLOCK_T, REST_P]; zero where masked."""
+    ch, cr = tl.arange(0, HALF_P), tl.arange(0, REST_P)
+    mh = ok[:, None] & (ch < HALF)[None, :]
+    mr = ok[:, None] & (cr < REST)[None, :]
+    a = tl.load(ptr + base[:, None] + ch[None, :], mask=mh, other=0.0).to(tl.float32)
+    b = tl.load(ptr + base[:, None] + HALF + ch[None, :], mask=mh, other=0.0).to(tl.float32)
+    r = tl.load(ptr + base[:, None] + 2 * HALF + cr[None, :], mask=mr, other=0.0).to(tl.float32)
+    return a, b, r
+
+
+@triton.jit
+def _store_head(ptr, base, ok, a, b, r, HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr,
+                REST_P: tl.constexpr):
+    ch, cr = tl.arange(0, HALF_P), tl.arange(0, REST_P)
+    mh = ok[:, None] & (ch < HALF)[None, :]
+    mr = ok[:, None] & (cr < REST)[None, :]
+    tl.store(ptr + base[:, None] + ch[None, :], a, mask=mh)
+    tl.store(ptr + base[:, None] + HALF + ch[None, :], b, mask=mh)
+    tl.store(ptr + base[:, None] + 2 * HALF + cr[None, :], r, mask=mr)
+
+
+@triton.jit
+def _rope_tables(cos_ptr, sin_ptr, rows, ok, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """cos, sin [BLOCK_T, HALF_P] of the rows (zero where masked; no load at all when r = 0)."""
+    ch = tl.arange(0, HALF_P)
+    if HALF > 0:
+        mh = ok[:, None] & (ch < HALF)[None, :]
+        cos = tl.load(cos_ptr + rows[:, None] * HALF + ch[None, :], mask=mh, other=0.0)
+        sin = tl.load(sin_ptr + rows[:, None] * HALF + ch[None, :], mask=mh, other=0.0)
+    else:
+        cos = tl.zeros((rows.shape[0], HALF_P), tl.float32)
+        sin = tl.zeros((rows.shape[0], HALF_P), tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _inv_norm(a, b, r, eps):
+    """Per row: |y| and 1 / max(|y|, eps) of the head y = (a, b, r)."""
+    norm = tl.sqrt(tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1) + tl.sum(r * r, axis=1))
+    return norm, 1.0 / tl.maximum(norm, eps)
+
+
+@triton.jit
+def _norm_backward(ga, gb, gr, a, b, r, norm, inv, scale, eps):
+    """Gradient at y of m = scale y / max(|y|, eps), given the gradient (ga, gb, gr) at m."""
+    dot = tl.sum(ga * a, axis=1) + tl.sum(gb * b, axis=1) + tl.sum(gr * r, axis=1)
+    proj = tl.where(norm >= eps, dot * inv * inv, 0.0)[:, None]  # below eps the scale is a constant
+    s = (scale * inv)[:, None]
+    return s * (ga - proj * a), s * (gb - proj * b), s * (gr - proj * r)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _fwd_kernel(conv_ptr, q_ptr, k_ptr, temp_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, T, scale, eps,
+                HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                REST: tl.constexpr, REST_P: tl.constexpr, BLOCK_T: tl.constexpr):
+    G: tl.constexpr = HQ // HK
+    j = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = rows < T
+    cos, sin = _rope_tables(cos_ptr, sin_ptr, rows, ok, HALF, HALF_P)
+    ka, kb, kr = _load_head(k_ptr, rows * (HK * D) + j * D, ok, HALF, HALF_P, REST, REST_P)
+    sa, sb, sr = tl.zeros_like(ka), tl.zeros_like(kb), tl.zeros_like(kr)
+    for g in tl.static_range(G):
+        qa, qb, qr = _load_head(q_ptr, rows * (HQ * D) + (j * G + g) * D, ok, HALF, HALF_P, REST, REST_P)
+        sa, sb, sr = sa + qa, sb + qb, sr + qr
+    # the key head: conv + the mean of its query heads' residuals
+    ca, cb, cr = _load_head(conv_ptr, ((HQ + j) * T + rows) * D, ok, HALF, HALF_P, REST, REST_P)
+    ya, yb, yr = ca + (sa / G + ka) * 0.5, cb + (sb / G + kb) * 0.5, cr + (sr / G + kr) * 0.5
+    _, inv = _inv_norm(ya, yb, yr, eps)
+    s = (scale * inv * tl.load(temp_ptr + j))[:, None]
+    ya, yb, yr = ya * s, yb * s, yr * s
+    _store_head(k_out_ptr, rows * (HK * D) + j * D, ok, ya * cos - yb * sin, yb * cos + ya * sin, yr,
+                HALF, HALF_P, REST, REST_P)
+    for g in tl.static_range(G):
+        h = j * G + g
+        qa, qb, qr = _load_head(q_ptr, rows * (HQ * D) + h * D, ok, HALF, HALF_P, REST, REST_P)
+        ca, cb, cr = _load_head(conv_ptr, (h * T + rows) * D, ok, HALF, HALF_P, REST, REST_P)
+        ya, yb, yr = ca + (qa + ka) * 0.5, cb + (qb + kb) * 0.5, cr + (qr + kr) * 0.5
+        _, inv = _inv_norm(ya, yb, yr, eps)
+        s = (scale * inv)[:, None]
+        ya, yb, yr = ya * s, yb * s, yr * s
+        _store_head(q_out_ptr, rows * (HQ * D) + h * D, ok, ya * cos - yb * sin, yb * cos + ya * sin, yr,
+                    HALF, HALF_P, REST, REST_P)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _bwd_kernel(conv_ptr, q_ptr, k_ptr, temp_ptr, cos_ptr, sin_ptr, g_q_out_ptr, g_k_out_ptr, g_conv_ptr,
+                g_q_ptr, g_k_ptr, g_temp_part_ptr, T, scale, eps, HQ: tl.constexpr, HK: tl.constexpr,
+                D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr,
+                REST_P: tl.constexpr, BLOCK_T: tl.constexpr):
+    G: tl.constexpr = HQ // HK
+    j = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = rows < T
+    cos, sin = _rope_tables(cos_ptr, sin_ptr, rows, ok, HALF, HALF_P)
+    k_base = rows * (HK * D) + j * D
+    ka, kb, kr = _load_head(k_ptr, k_base, ok, HALF, HALF_P, REST, REST_P)
+    sa, sb, sr = tl.zeros_like(ka), tl.zeros_like(kb), tl.zeros_like(kr)
+    for g in tl.static_range(G):
+        qa, qb, qr = _load_head(q_ptr, rows * (HQ * D) + (j * G + g) * D, ok, HALF, HALF_P, REST, REST_P)
+        sa, sb, sr = sa + qa, sb + qb, sr + qr
+    ca, cb, cr = _load_head(conv_ptr, ((HQ + j) * T + rows) * D, ok, HALF, HALF_P, REST, REST_P)
+    ya, yb, yr = ca + (sa / G + ka) * 0.5, cb + (sb / G + kb) * 0.5, cr + (sr / G + kr) * 0.5
+    norm, inv = _inv_norm(ya, yb, yr, eps)
+    ga, gb, gr = _load_head(g_k_out_ptr, k_base, ok, HALF, HALF_P, REST, REST_P)
+    ga, gb = ga * cos + gb * sin, gb * cos - ga * sin  # RoPE^T
+    # g_temp = sum of g_n . m over the block, m = scale y inv (the key before its temperature)
+    dot = tl.sum(ga * ya, axis=1) + tl.sum(gb * yb, axis=1) + tl.sum(gr * yr, axis=1)
+    tl.store(g_temp_part_ptr + tl.program_id(0) * HK + j, tl.sum(dot * scale * inv, axis=0))
+    temp = tl.load(temp_ptr + j)
+    gka, gkb, gkr = _norm_backward(ga * temp, gb * temp, gr * temp, ya, yb, yr, norm, inv, scale, eps)
+    _store_head(g_conv_ptr, ((HQ + j) * T + rows) * D, ok, gka, gkb, gkr, HALF, HALF_P, REST, REST_P)
+    acc_a, acc_b, acc_r = gka * 0.5, gkb * 0.5, gkr * 0.5  # g_k: its own residual's share
+    for g in tl.static_range(G):
+        h = j * G + g
+        q_base = rows * (HQ * D) + h * D
+        qa, qb, qr = _load_head(q_ptr, q_base, ok, HALF, HALF_P, REST, REST_P)
+        ca, cb, cr = _load_head(conv_ptr, (h * T + rows) * D, ok, HALF, HALF_P, REST, REST_P)
+        ya, yb, yr = ca + (qa + ka) * 0.5, cb + (qb + kb) * 0.5, cr + (qr + kr) * 0.5
+        norm, inv = _inv_norm(ya, yb, yr, eps)
+        ga, gb, gr = _load_head(g_q_out_ptr, q_base, ok, HALF, HALF_P, REST, REST_P)
+        ga, gb = ga * cos + gb * sin, gb * cos - ga * sin
+        ga, gb, gr = _norm_backward(ga, gb, gr, ya, yb, yr, norm, inv, scale, eps)
+        _store_head(g_conv_ptr, (h * T + rows) * D, ok, ga, gb, gr, HALF, HALF_P, REST, REST_P)
+        w = 0.5 / G  # the query head's share of k_res
+        _store_head(g_q_ptr, q_base, ok, ga * 0.5 + gka * w, gb * 0.5 + gkb * w, gr * 0.5 + gkr * w,
+                    HALF, HALF_P, REST, REST_P)
+        acc_a, acc_b, acc_r = acc_a + ga * 0.5, acc_b + gb * 0.5, acc_r + gr * 0.5
+    _store_head(g_k_ptr, k_base, ok, acc_a, acc_b, acc_r, HALF, HALF_P, REST, REST_P)
 
 
 @triton.jit
 def _load_x(q_ptr, k_ptr, off_ptr, rows, cols, lag, h, T, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr):
-    """x of head h at rows - lag as fp32 [BLOCK_T, D]; zero where that row is before the document start."""
+    """Input channels `cols` of head h (q's head h < Hq, else k's h - Hq) at rows - lag, fp32
+    [BLOCK_T, D_P]; zero where that row is before its document's start."""
     off = tl.load(off_ptr + rows, mask=rows < T, other=-1)
-    ok = ((rows < T) & (off >= lag))[:, None]
-    src = rows - lag
+    ok = ((rows < T) & (off >= lag))[:, None] & (cols < D)[None, :]
     if h < HQ:
-        x = tl.load(q_ptr + src[:, None] * (HQ * D) + h * D + cols[None, :], mask=ok, other=0.0)
+        x = tl.load(q_ptr + (rows - lag)[:, None] * (HQ * D) + h * D + cols[None, :], mask=ok, other=0.0)
     else:
-        x = tl.load(k_ptr + src[:, None] * (HK * D) + (h - HQ) * D + cols[None, :], mask=ok, other=0.0)
+        x = tl.load(k_ptr + (rows - lag)[:, None] * (HK * D) + (h - HQ) * D + cols[None, :], mask=ok, other=0.0)
     return x.to(tl.float32)
 
 
-@triton.jit
-def _h1(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, rows, cols, m, h, T, HQ: tl.constexpr, HK: tl.constexpr,
-        D: tl.constexpr, K0: tl.constexpr):
-    """Depthwise-conv output at rows - m for head h, channels `cols` of it [BLOCK_T, len(cols)] (b0 alone
-    before the start)."""
-    h1 = tl.zeros((rows.shape[0], cols.shape[0]), tl.float32) + tl.load(dw_b_ptr + h * D + cols)[None, :]
-    for j in tl.static_range(K0):
-        w = tl.load(dw_w_ptr + (h * D + cols) * K0 + j)  # [D]
-        h1 += w[None, :] * _load_x(q_ptr, k_ptr, off_ptr, rows, cols, m + K0 - 1 - j, h, T, HQ, HK, D)
-    return h1
-
-
-@triton.jit
-def _forward_y(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gr_w_ptr, gr_b_ptr, rows, cols, h, T,
-               HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    """conv(t) + res(t) for head h: [BLOCK_T, D] fp32, the quantity QK-norm normalises."""
-    y = tl.zeros((rows.shape[0], D), tl.float32) + tl.load(gr_b_ptr + h * D + cols)[None, :]
+@triton.jit(do_not_specialize=["T"])
+def _taps_fwd_kernel(q_ptr, k_ptr, off_ptr, w0_ptr, b0_ptr, taps_ptr, T, HQ: tl.constexpr, HK: tl.constexpr,
+                     D: tl.constexpr, D_P: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, BLOCK_T: tl.constexpr):
+    """taps[h, t, tau d + i] = b0 + sum_a w0[:, K0-1-a] x(t - tau - a) [o(t) >= tau + a], channels of head h."""
+    h = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, D_P)
+    cmask = cols < D
+    b0 = tl.load(b0_ptr + h * D + cols, mask=cmask, other=0.0)
+    ok = (rows < T)[:, None] & cmask[None, :]
     for tau in tl.static_range(K1):
-        h1 = _h1(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, rows, cols, K1 - 1 - tau, h, T, HQ, HK, D, K0)
-        # W1_tau^T [c, o] = gr_weight[h d + o, c, tau]
-        w1t = tl.load(gr_w_ptr + (h * D + cols[None, :]) * (D * K1) + cols[:, None] * K1 + tau)
-        y = tl.dot(h1, w1t, y, input_precision=DOT_PRECISION)
-    groups: tl.constexpr = HQ // HK
-    rmask = (rows < T)[:, None]
-    if h < HQ:
-        # h is a program id, so this `if` is a runtime branch: a name assigned in both arms must have one
-        # type in both (kv is fp32 in the else arm), which the interpreter does not check.
-        x = tl.load(q_ptr + rows[:, None] * (HQ * D) + h * D + cols[None, :], mask=rmask, other=0.0)
-        kv = tl.load(k_ptr + rows[:, None] * (HK * D) + (h // groups) * D + cols[None, :], mask=rmask,
-                     other=0.0).to(tl.float32)
-        res = (x.to(tl.float32) + kv) * 0.5
-    else:
-        kv = tl.load(k_ptr + rows[:, None] * (HK * D) + (h - HQ) * D + cols[None, :], mask=rmask,
-                     other=0.0).to(tl.float32)
-        res = tl.zeros((rows.shape[0], D), tl.float32)
-        for g in tl.static_range(groups):
-            qg = tl.load(q_ptr + rows[:, None] * (HQ * D) + ((h - HQ) * groups + g) * D + cols[None, :],
-                         mask=rmask, other=0.0)
-            res += (qg.to(tl.float32) + kv) * 0.5
-        res = res / groups
-    return y + res
-
-
-@triton.jit
-def _rotate(x, cos_ptr, sin_ptr, rows, T, sign, D: tl.constexpr, HALF: tl.constexpr):
-    """Rotate-half RoPE of x [BLOCK_T, D] on its first 2 HALF channels; sign -1 applies the inverse."""
-    block_t: tl.constexpr = x.shape[0]
-    nb: tl.constexpr = D // (2 * HALF)
-    halves = tl.arange(0, HALF)
-    rmask = (rows < T)[:, None]
-    c = tl.load(cos_ptr + rows[:, None] * HALF + halves[None, :], mask=rmask, other=1.0)  # [BLOCK_T, HALF]
-    s = tl.load(sin_ptr + rows[:, None] * HALF + halves[None, :], mask=rmask, other=0.0) * sign
-    c = tl.reshape(c, (block_t, 1, HALF))
-    s = tl.reshape(s, (block_t, 1, HALF))
-    # [BLOCK_T, D] -> blocks of 2 HALF channels, each split into its two halves a, b [BLOCK_T, nb, HALF]
-    a, b = tl.split(tl.permute(tl.reshape(x, (block_t, nb, 2, HALF)), (0, 1, 3, 2)))
-    first = (tl.arange(0, nb) == 0)[None, :, None]  # only the first block is rotary
-    ra = tl.where(first, a * c - b * s, a)
-    rb = tl.where(first, b * c + a * s, b)
-    return tl.reshape(tl.permute(tl.join(ra, rb), (0, 1, 3, 2)), (block_t, D))
-
-
-@triton.jit(do_not_specialize=["T"])
-def _fwd_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gr_w_ptr, gr_b_ptr, temp_ptr, cos_ptr, sin_ptr,
-                qo_ptr, ko_ptr, T, scale, eps, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
-                K0: tl.constexpr, K1: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
-    h = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, D)
-    y = _forward_y(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gr_w_ptr, gr_b_ptr, rows, cols, h, T, HQ, HK, D,
-                   K0, K1, DOT_PRECISION)
-    inv = scale / tl.maximum(tl.sqrt(tl.sum(y * y, axis=1)), eps)  # [BLOCK_T]
-    z = y * inv[:, None]
-    if HALF > 0:
-        z = _rotate(z, cos_ptr, sin_ptr, rows, T, 1.0, D, HALF)
-    rmask = (rows < T)[:, None]
-    if h < HQ:
-        tl.store(qo_ptr + rows[:, None] * (HQ * D) + h * D + cols[None, :], z, mask=rmask)
-    else:
-        z = z * tl.load(temp_ptr + h - HQ)
-        tl.store(ko_ptr + rows[:, None] * (HK * D) + (h - HQ) * D + cols[None, :], z, mask=rmask)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _bwd_gy_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gr_w_ptr, gr_b_ptr, temp_ptr, cos_ptr, sin_ptr,
-                   gqo_ptr, gko_ptr, gy_ptr, gb1_part_ptr, gtemp_part_ptr, T, scale, eps, HQ: tl.constexpr,
-                   HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    h = tl.program_id(1)
-    block = tl.program_id(0)
-    rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, D)
-    rmask = (rows < T)[:, None]
-    y = _forward_y(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gr_w_ptr, gr_b_ptr, rows, cols, h, T, HQ, HK, D,
-                   K0, K1, DOT_PRECISION)
-    norm = tl.sqrt(tl.sum(y * y, axis=1))  # [BLOCK_T]
-    inv = scale / tl.maximum(norm, eps)
-    if h < HQ:
-        g = tl.load(gqo_ptr + rows[:, None] * (HQ * D) + h * D + cols[None, :], mask=rmask, other=0.0)
-    else:
-        g = tl.load(gko_ptr + rows[:, None] * (HK * D) + (h - HQ) * D + cols[None, :], mask=rmask, other=0.0)
-    if HALF > 0:
-        g = _rotate(g, cos_ptr, sin_ptr, rows, T, -1.0, D, HALF)  # RoPE is orthogonal: its inverse
-    if h >= HQ:
-        temp = tl.load(temp_ptr + h - HQ)
-        tl.store(gtemp_part_ptr + block * HK + h - HQ, tl.sum(tl.sum(g * y * inv[:, None], axis=1), axis=0))
-        g = g * temp
-    # d(y inv)/dy: inv (I - y y^T / norm^2) while the norm is above eps, inv I where the clamp holds it.
-    dot = tl.sum(y * g, axis=1)
-    coef = tl.where(norm >= eps, dot / (norm * norm), 0.0)
-    gy = inv[:, None] * (g - coef[:, None] * y)
-    gy = tl.where(rmask, gy, 0.0)
-    tl.store(gy_ptr + rows[:, None] * ((HQ + HK) * D) + h * D + cols[None, :], gy, mask=rmask)
-    tl.store(gb1_part_ptr + block * ((HQ + HK) * D) + h * D + cols, tl.sum(gy, axis=0))
-
-
-@triton.jit(do_not_specialize=["T"])
-def _bwd_gx_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, gr_w_ptr, gy_ptr, gq_ptr, gk_ptr, gw0_part_ptr, T,
-                   HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    h = tl.program_id(1)
-    block = tl.program_id(0)
-    rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, D)  # o, the contraction index of gy W1_tau
-    C: tl.constexpr = (HQ + HK) * D
-    rmask = (rows < T)[:, None]
-    groups: tl.constexpr = HQ // HK
-    # One [BLOCK_T, BLOCK_C] slice of gx at a time (a runtime loop, so it is not unrolled): only that slice's
-    # accumulators and a [d, BLOCK_C] slice of W1_tau are live. Whole [d, d] tiles spilled ~60 KB per thread
-    # on sm_90a (fp32 IEEE dots run on the FMA units and hold operands in registers).
-    for c0 in range(0, D, BLOCK_C):
-        cc = c0 + tl.arange(0, BLOCK_C)  # channels c of this slice
-        gx = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
+        acc = tl.zeros((BLOCK_T, D_P), tl.float32) + b0[None, :]
         for a in tl.static_range(K0):
-            gh1 = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)  # g_h1(rows + a)[:, cc]
-            for tau in tl.static_range(K1):
-                lead = a + K1 - 1 - tau
-                src = rows + lead
-                off = tl.load(off_ptr + src, mask=src < T, other=-1)
-                ok = ((src < T) & (off >= lead))[:, None]  # rows + lead is still in the row's document
-                g = tl.load(gy_ptr + src[:, None] * C + h * D + cols[None, :], mask=ok, other=0.0)  # [BLOCK_T, D]
-                # W1_tau [o, c] = gr_weight[h d + o, c, tau]
-                w1 = tl.load(gr_w_ptr + (h * D + cols[:, None]) * (D * K1) + cc[None, :] * K1 + tau)
-                gh1 = tl.dot(g, w1, gh1, input_precision=DOT_PRECISION)
-            gx += tl.load(dw_w_ptr + (h * D + cc) * K0 + K0 - 1 - a)[None, :] * gh1
-            if a == 0:
-                for j in tl.static_range(K0):
-                    x = _load_x(q_ptr, k_ptr, off_ptr, rows, cc, K0 - 1 - j, h, T, HQ, HK, D)
-                    tl.store(gw0_part_ptr + (block * C + h * D + cc) * K0 + j, tl.sum(gh1 * x, axis=0))
-        if h < HQ:
-            gq_own = tl.load(gy_ptr + rows[:, None] * C + h * D + cc[None, :], mask=rmask, other=0.0)
-            gk_grp = tl.load(gy_ptr + rows[:, None] * C + (HQ + h // groups) * D + cc[None, :], mask=rmask,
-                             other=0.0)
-            gx += (gq_own + gk_grp / groups) * 0.5
-            tl.store(gq_ptr + rows[:, None] * (HQ * D) + h * D + cc[None, :], gx, mask=rmask)
-        else:
-            gk_own = tl.load(gy_ptr + rows[:, None] * C + h * D + cc[None, :], mask=rmask, other=0.0) / groups
-            # `gi`, not `g`: `g` is a tensor of the loop above, and a runtime-if arm may not retype it.
-            for gi in tl.static_range(groups):
-                gq_g = tl.load(gy_ptr + rows[:, None] * C + ((h - HQ) * groups + gi) * D + cc[None, :],
-                               mask=rmask, other=0.0)
-                gx += (gq_g + gk_own) * 0.5
-            tl.store(gk_ptr + rows[:, None] * (HK * D) + (h - HQ) * D + cc[None, :], gx, mask=rmask)
+            w = tl.load(w0_ptr + (h * D + cols) * K0 + K0 - 1 - a, mask=cmask, other=0.0)
+            acc += w[None, :] * _load_x(q_ptr, k_ptr, off_ptr, rows, cols, tau + a, h, T, HQ, HK, D)
+        tl.store(taps_ptr + (h * T + rows)[:, None] * (K1 * D) + tau * D + cols[None, :], acc, mask=ok)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _bwd_gw1_kernel(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, gy_ptr, gw1_part_ptr, T, tokens_per_split,
-                    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    split = tl.program_id(0)
+def _taps_bwd_kernel(g_taps_ptr, g_q_res_ptr, g_k_res_ptr, q_ptr, k_ptr, off_ptr, w0_ptr, g_q_ptr, g_k_ptr,
+                     g_w0_part_ptr, g_b0_part_ptr, T, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
+                     D_P: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, BLOCK_T: tl.constexpr):
+    """From g_taps [Hq + Hk, T, K1 d] and the epilogue's fp32 gradients at q, k: the gradients at q and k
+    (both sums in fp32, one cast to q's dtype) and this program's partials of g_w0 [C, K0] and g_b0 [C]:
+      g_x(s)          = sum_{tau, a} w0[:, K0-1-a] g_taps_tau(s + tau + a) [o(s + tau + a) >= tau + a]
+      g_w0[:, K0-1-a] = sum_t sum_tau g_taps_tau(t) x(t - tau - a) [o(t) >= tau + a]
+      g_b0            = sum_t sum_tau g_taps_tau(t)
+    ([o(s + tau + a) >= tau + a]: that row is in s's document.)"""
     h = tl.program_id(1)
-    tau = tl.program_id(2) % K1
-    cc = tl.program_id(2) // K1 * BLOCK_C + tl.arange(0, BLOCK_C)  # this program's columns c of gW1_tau
-    cols = tl.arange(0, D)
-    C: tl.constexpr = (HQ + HK) * D
-    # A [d, BLOCK_C] column slice per program: a whole [d, d] accumulator spilled ~19 KB per thread on sm_90a.
-    acc = tl.zeros((D, BLOCK_C), tl.float32)  # [o, c]
-    start = split * tokens_per_split
-    for t0 in range(start, tl.minimum(start + tokens_per_split, T), BLOCK_T):
-        rows = t0 + tl.arange(0, BLOCK_T)
-        g = tl.load(gy_ptr + rows[:, None] * C + h * D + cols[None, :], mask=(rows < T)[:, None], other=0.0)
-        h1 = _h1(q_ptr, k_ptr, off_ptr, dw_w_ptr, dw_b_ptr, rows, cc, K1 - 1 - tau, h, T, HQ, HK, D, K0)
-        acc = tl.dot(tl.trans(g), h1, acc, input_precision=DOT_PRECISION)
-    tl.store(gw1_part_ptr + ((split * C + h * D + cols[:, None]) * D + cc[None, :]) * K1 + tau, acc)
+    block = tl.program_id(0)
+    rows = block.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, D_P)
+    cmask = cols < D
+    ok = (rows < T)[:, None] & cmask[None, :]
+    if h < HQ:
+        x_at = rows[:, None] * (HQ * D) + h * D + cols[None, :]
+        gx = tl.load(g_q_res_ptr + x_at, mask=ok, other=0.0)
+    else:
+        x_at = rows[:, None] * (HK * D) + (h - HQ) * D + cols[None, :]
+        gx = tl.load(g_k_res_ptr + x_at, mask=ok, other=0.0)
+    gb0 = tl.zeros((D_P,), tl.float32)
+    part = (block * (HQ + HK) * D + h * D + cols)  # [D_P] rows of the [blocks, C] partials
+    for a in tl.static_range(K0):
+        w = tl.load(w0_ptr + (h * D + cols) * K0 + K0 - 1 - a, mask=cmask, other=0.0)
+        gw = tl.zeros((D_P,), tl.float32)
+        for tau in tl.static_range(K1):
+            g = tl.load(g_taps_ptr + (h * T + rows)[:, None] * (K1 * D) + tau * D + cols[None, :], mask=ok,
+                        other=0.0)
+            if a == 0:
+                gb0 += tl.sum(g, axis=0)
+            gw += tl.sum(g * _load_x(q_ptr, k_ptr, off_ptr, rows, cols, tau + a, h, T, HQ, HK, D), axis=0)
+            src = rows + tau + a
+            src_off = tl.load(off_ptr + src, mask=src < T, other=-1)
+            m = ((src < T) & (src_off >= tau + a))[:, None] & cmask[None, :]
+            gs = tl.load(g_taps_ptr + (h * T + src)[:, None] * (K1 * D) + tau * D + cols[None, :], mask=m,
+                         other=0.0)
+            gx += w[None, :] * gs
+        tl.store(g_w0_part_ptr + part * K0 + K0 - 1 - a, gw, mask=cmask)
+    tl.store(g_b0_part_ptr + part, gb0, mask=cmask)
+    if h < HQ:
+        tl.store(g_q_ptr + x_at, gx.to(g_q_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(g_k_ptr + x_at, gx.to(g_k_ptr.dtype.element_ty), mask=ok)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int,
-           half: int) -> None:
-    """The shapes the kernel tiles need (`unsupported_reason` answers without raising) and q/k agreeing."""
-    reason = unsupported_reason(num_q_heads, num_kv_heads, head_dim, 2 * half)
-    if reason:
-        raise ValueError(f"Triton CCA preconditioner: {reason}")
-    if q.shape[1] != num_q_heads * head_dim or k.shape[1] != num_kv_heads * head_dim or q.shape[0] != k.shape[0]:
-        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} do not match Hq={num_q_heads}, "
-                         f"Hk={num_kv_heads}, d={head_dim}")
-
-
-def _check_tiles(block_t: int, block_c: int, tokens_per_split: int) -> None:
-    """Tiles Triton can compile: block_t is a tl.dot M (forward, gy, gx) and K (gW1) dimension, block_c
-    an N one. Powers of two >= 16: Triton 3.6 rejects a K below 16 for fp32 operands too (3.9 takes 8)."""
-    for name, size in (("block_t", block_t), ("block_c", block_c)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot tiles), got {size}")
-    if tokens_per_split <= 0 or tokens_per_split % block_t:
-        raise ValueError(f"tokens_per_split must be a positive multiple of block_t {block_t}, got {tokens_per_split}")
-
-
-def unsupported_reason(num_q_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int) -> str | None:
-    """Why the kernel cannot take these shapes (None when it can)."""
-    def pow2(n: int) -> bool:
-        return n > 0 and n & (n - 1) == 0
-
-    if not pow2(head_dim) or head_dim < 16:
-        return f"head_dim must be a power of two >= 16 (tl.dot tiles), got {head_dim}"
-    if rotary_dim and not pow2(rotary_dim // 2):
-        return f"rotary_dim / 2 must be a power of two (or rotary_dim 0), got rotary_dim {rotary_dim}"
-    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
-        return f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}"
-    return None
+def _tiles(head_dim: int, half: int) -> dict:
+    """The constexprs of a head's three tiles in the epilogue (tl.arange lengths are powers of two)."""
+    rest = head_dim - 2 * half
+    return dict(HALF=half, HALF_P=triton.next_power_of_2(max(half, 1)), REST=rest,
+                REST_P=triton.next_power_of_2(max(rest, 1)))
 
 
 class _CCAPrecondition(torch.autograd.Function):
+    """q [T, Hq d], k [T, Hk d] (compute dtype), w0 [C, k0], b0 [C], w1 [G, k1 d, d], b1 [G, 1, d], temp [Hk]
+    (fp32), doc_offset [T], cos/sin [T, r/2] -> the preconditioner's q [T, Hq, d] and k [T, Hk, d] (fp32)."""
+
     @staticmethod
-    def forward(ctx, q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset, cos, sin, num_q_heads,
-                num_kv_heads, head_dim, block_t, block_c, tokens_per_split, dot_precision):
-        t = q.shape[0]
-        hq, hk, d = num_q_heads, num_kv_heads, head_dim
-        half = cos.shape[-1]
-        k0, k1 = dw_weight.shape[-1], gr_weight.shape[-1]
+    def forward(ctx, q, k, w0, b0, w1, b1, temp, doc_offset, cos, sin, num_q_heads, num_kv_heads, head_dim,
+                block_t, num_warps):
+        t, hq, hk, d = q.shape[0], num_q_heads, num_kv_heads, head_dim
+        heads, k0, k1 = hq + hk, w0.shape[-1], w1.shape[1] // head_dim
+        blocks = triton.cdiv(t, block_t)
+        taps_consts = dict(HQ=hq, HK=hk, D=d, D_P=triton.next_power_of_2(d), K0=k0, K1=k1, BLOCK_T=block_t,
+                           num_warps=num_warps)
+        epi_consts = dict(HQ=hq, HK=hk, D=d, **_tiles(d, cos.shape[-1]), BLOCK_T=block_t, num_warps=num_warps)
+        taps = q.new_empty((heads, t, k1 * d), dtype=torch.float32)
         q_out = q.new_empty((t, hq, d), dtype=torch.float32)
         k_out = q.new_empty((t, hk, d), dtype=torch.float32)
         if t:
-            _fwd_kernel[(triton.cdiv(t, block_t), hq + hk)](
-                q, k, doc_offset, dw_weight, dw_bias, gr_weight, gr_bias, temp, cos, sin, q_out, k_out, t,
-                d ** 0.5, _EPS, HQ=hq, HK=hk, D=d, K0=k0, K1=k1, HALF=half, BLOCK_T=block_t,
-                DOT_PRECISION=dot_precision, num_warps=_NUM_WARPS)
-        ctx.save_for_backward(q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset, cos, sin)
-        ctx.config = (hq, hk, d, block_t, block_c, tokens_per_split, dot_precision)
+            _taps_fwd_kernel[(blocks, heads)](q, k, doc_offset, w0, b0, taps, t, **taps_consts)
+        conv = torch.baddbmm(b1, taps, w1)  # [G, T, d]: the grouped convolution, cuBLAS fp32 (TF32 off)
+        if t:
+            _fwd_kernel[(blocks, hk)](conv, q, k, temp, cos, sin, q_out, k_out, t, d ** 0.5, _EPS, **epi_consts)
+        ctx.save_for_backward(q, k, w0, w1, temp, doc_offset, cos, sin, taps, conv)
+        ctx.consts = blocks, taps_consts, epi_consts
         return q_out, k_out
 
     @staticmethod
     def backward(ctx, g_q_out, g_k_out):
-        q, k, dw_weight, dw_bias, gr_weight, gr_bias, temp, doc_offset, cos, sin = ctx.saved_tensors
-        hq, hk, d, block_t, block_c, tokens_per_split, dot_precision = ctx.config
-        t, channels, heads = q.shape[0], (hq + hk) * d, hq + hk
-        half = cos.shape[-1]
-        k0, k1 = dw_weight.shape[-1], gr_weight.shape[-1]
-        g_q_out = g_q_out.to(torch.float32).contiguous() if g_q_out is not None else q.new_zeros(
-            (t, hq, d), dtype=torch.float32)
-        g_k_out = g_k_out.to(torch.float32).contiguous() if g_k_out is not None else q.new_zeros(
-            (t, hk, d), dtype=torch.float32)
-        blocks = triton.cdiv(t, block_t)
-        splits = triton.cdiv(t, tokens_per_split)
+        q, k, w0, w1, temp, doc_offset, cos, sin, taps, conv = ctx.saved_tensors
+        blocks, taps_consts, epi_consts = ctx.consts
+        t, hk, heads, d = q.shape[0], epi_consts["HK"], conv.shape[0], epi_consts["D"]
         f32 = dict(device=q.device, dtype=torch.float32)
-        gy = torch.empty((t, channels), **f32)
-        gb1_part = torch.empty((blocks, channels), **f32)
-        gtemp_part = torch.empty((blocks, hk), **f32)
-        gw0_part = torch.empty((blocks, channels, k0), **f32)
-        gw1_part = torch.empty((splits, channels, d, k1), **f32)
-        g_q, g_k = torch.empty_like(q), torch.empty_like(k)
-        consts = dict(HQ=hq, HK=hk, D=d, K0=k0, K1=k1, BLOCK_T=block_t, DOT_PRECISION=dot_precision,
-                      num_warps=_NUM_WARPS)
-        block_c = min(block_c, d)
-        sliced = dict(consts, BLOCK_C=block_c)
+        g_q_out = torch.zeros((t, q.shape[1]), **f32) if g_q_out is None else g_q_out.contiguous()
+        g_k_out = torch.zeros((t, k.shape[1]), **f32) if g_k_out is None else g_k_out.contiguous()
+        g_conv = torch.empty_like(conv)
+        g_q_res, g_k_res = torch.empty(q.shape, **f32), torch.empty(k.shape, **f32)  # the epilogue's share
+        g_temp_part = torch.empty((blocks, hk), **f32)  # every program writes its entry
         if t:
-            _bwd_gy_kernel[(blocks, heads)](
-                q, k, doc_offset, dw_weight, dw_bias, gr_weight, gr_bias, temp, cos, sin, g_q_out, g_k_out, gy,
-                gb1_part, gtemp_part, t, d ** 0.5, _EPS, HALF=half, **consts)
-            _bwd_gx_kernel[(blocks, heads)](q, k, doc_offset, dw_weight, gr_weight, gy, g_q, g_k, gw0_part, t,
-                                            **sliced)
-            _bwd_gw1_kernel[(splits, heads, k1 * (d // block_c))](q, k, doc_offset, dw_weight, dw_bias, gy,
-                                                                  gw1_part, t, tokens_per_split, **sliced)
-        gb1 = gb1_part.sum(0)  # [C]
-        # every h1 (also the ones before a document start) carries b0 once into each of the k1 taps
-        gb0 = torch.einsum("hoct,ho->hc", gr_weight.view(heads, d, d, k1), gb1.view(heads, d)).reshape(channels)
-        return (g_q, g_k, gw0_part.sum(0).view_as(dw_weight), gb0, gw1_part.sum(0), gb1, gtemp_part.sum(0),
-                None, None, None, None, None, None, None, None, None, None)
+            _bwd_kernel[(blocks, hk)](conv, q, k, temp, cos, sin, g_q_out, g_k_out, g_conv, g_q_res, g_k_res,
+                                      g_temp_part, t, d ** 0.5, _EPS, **epi_consts)
+        g_w1 = torch.bmm(taps.transpose(1, 2), g_conv)  # [G, k1 d, d]
+        g_b1 = g_conv.sum(1, keepdim=True)
+        g_taps = torch.bmm(g_conv, w1.transpose(1, 2))  # [G, T, k1 d]
+        g_q, g_k = torch.empty_like(q), torch.empty_like(k)
+        g_w0_part = torch.empty((blocks, heads * d, w0.shape[-1]), **f32)  # every entry written once
+        g_b0_part = torch.empty((blocks, heads * d), **f32)
+        if t:
+            _taps_bwd_kernel[(blocks, heads)](g_taps, g_q_res, g_k_res, q, k, doc_offset, w0, g_q, g_k, g_w0_part,
+                                              g_b0_part, t, **taps_consts)
+        return (g_q, g_k, g_w0_part.sum(0), g_b0_part.sum(0), g_w1, g_b1, g_temp_part.sum(0), None, None, None,
+                None, None, None, None, None)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int,
+           block_t: int) -> None:
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if q.shape[1] != num_q_heads * head_dim or k.shape[1] != num_kv_heads * head_dim or q.shape[0] != k.shape[0]:
+        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} do not match Hq={num_q_heads}, "
+                         f"Hk={num_kv_heads}, d={head_dim}")
+    if block_t <= 0 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two (a tl.arange length), got {block_t}")
 
 
 def cca_precondition(q: torch.Tensor, k: torch.Tensor, dw_weight: torch.Tensor, dw_bias: torch.Tensor,
                      gr_weight: torch.Tensor, gr_bias: torch.Tensor, temp: torch.Tensor, doc_offset: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
-                     block_t: int = 32, block_c: int = 32, tokens_per_split: int = 4096,
-                     dot_precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of reference.cca_precondition (same arguments and results).
+                     block_t: int = 16, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.cca_precondition's arguments and results (no document count needed).
 
-    block_t: tokens per program (power of two >= 16); block_c: output columns per d x d product slice in the
-    backward (power of two >= 16, capped at d); tokens_per_split: tokens per partial of gr_weight's
-    gradient (a multiple of block_t); dot_precision: tl.dot input precision of the fp32 grouped-conv
-    products, "ieee" by default (fp32 parity; "tf32x3" is the faster near-fp32 alternative on GPU).
+    block_t: tokens per program (a power of two); num_warps: warps per program.
     """
-    _check(q, k, num_q_heads, num_kv_heads, head_dim, cos.shape[-1])
-    _check_tiles(block_t, block_c, tokens_per_split)
-    if interpreting():
-        dot_precision = "ieee"  # the interpreter multiplies in plain fp32 whatever is asked
-    # The fp32 casts are autograd ops: gradients return to the parameters in their own dtype.
-    f32 = [p.to(torch.float32).contiguous() for p in (dw_weight, dw_bias, gr_weight, gr_bias, temp)]
-    return _CCAPrecondition.apply(
-        q.contiguous(), k.contiguous(), *f32, doc_offset.contiguous(), cos.to(torch.float32).contiguous(),
-        sin.to(torch.float32).contiguous(), num_q_heads, num_kv_heads, head_dim, block_t, block_c,
-        tokens_per_split, dot_precision)
+    _check(q, k, num_q_heads, num_kv_heads, head_dim, block_t)
+    heads = num_q_heads + num_kv_heads
+    # The parameters in fp32 and the layouts the kernels and the GEMM take (autograd ops: gradients return
+    # to the parameters in their own dtype and layout).
+    w0 = to_op_dtype(dw_weight, Fp32Op.CCA_STATE)[:, 0].contiguous()  # [C, k0]
+    b0 = to_op_dtype(dw_bias, Fp32Op.CCA_STATE).contiguous()
+    w1 = library.gemm_weight(to_op_dtype(gr_weight, Fp32Op.CCA_STATE)).contiguous()  # [G, k1 d, d]
+    b1 = to_op_dtype(gr_bias, Fp32Op.CCA_STATE).view(heads, 1, head_dim)
+    return _CCAPrecondition.apply(q.contiguous(), k.contiguous(), w0, b0, w1, b1,
+                                  to_op_dtype(temp, Fp32Op.QK_NORM).contiguous(), doc_offset.contiguous(),
+                                  cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous(),
+                                  num_q_heads, num_kv_heads, head_dim, block_t, num_warps)
