@@ -100,9 +100,10 @@ def summarise(parts: list[PartResult]) -> dict:
 
 
 def base_runs(trainer: dict) -> list[dict]:
-    """Summaries of the trainer parts' full-checkpointing runs (not the fit search's), fewest layers first."""
-    return sorted((r["summary"] for r in trainer.values()
-                   if "summary" in r and r["summary"]["checkpointing"] == "full" and not r["summary"]["fit"]),
+    """Summaries of the trainer parts' full-checkpointing runs with auto's kernels (not the fit search's, not those
+    with a kernel choice overridden), fewest layers first."""
+    return sorted((r["summary"] for r in trainer.values() if "summary" in r and r["summary"]["checkpointing"] == "full"
+                   and not r["summary"]["fit"] and not r["summary"]["overrides"]),
                   key=lambda r: r["layers"])
 
 
@@ -124,6 +125,7 @@ def run_summary(run: dict, s: dict) -> dict:
     flops = median(lambda st: st["model_flops"] / st["step_s"])
     return dict(
         layers=setup.get("layers"), checkpointing=setup.get("checkpointing"), fit=setup.get("fit", False),
+        overrides=setup.get("overrides", {}),
         steps=len(timed), warmup_only=not any(not st["warmup"] for st in run["steps"]),
         step_s=median(lambda st: st["step_s"]), tokens=median(lambda st: st["tokens"]),
         microbatches=median(lambda st: st["microbatches"]),
@@ -289,7 +291,8 @@ def render(s: dict, parts: list[PartResult], meta: dict) -> str:
 def render_runs(s: dict) -> list[str]:
     lines = ["", "## Trainer runs", "", "Full RL steps through TrainerWorker (one FSDP2 rank), medians of the timed "
              "steps after a warm-up step; 'full' recomputes every layer in backward, 'selective' keeps the outputs of "
-             "its matrix multiplies and attention (resources.activation_checkpointing_selective).", "",
+             "its matrix multiplies and attention (resources.activation_checkpointing_selective); '+op=choice' runs "
+             "that op's other implementation where auto runs AUTO_ON_CUDA's, beside the same step with auto's.", "",
              "| run | microbatches x tokens | step s | tokens/s | optimizer | MFU data sheet | MFU GEMM | peak GiB |",
              "|---|---|---|---|---|---|---|---|"]
     for name, run in s["trainer"].items():

@@ -5,11 +5,16 @@ and runs full RL steps on it through TrainerWorker (one FSDP2 rank, world size 1
 checkpointing; each step's row carries its tokens, routed tokens, phase times, peak memory and model FLOPs
 (moepp_kernels_work.model_step_flops). Running out of GPU memory is an "oom" row, not a failure: the fit
 search (the probe's "fit" part, one process per try) reads it as its answer.
+
+A run's mode is its activation checkpointing ("full" or "selective"), optionally with kernel choices of
+`auto` overridden for that run: "full+cca=triton" runs full checkpointing with the CCA's Triton path where
+auto would run what AUTO_ON_CUDA names, so that one probe weighs a candidate in the whole step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import math
@@ -42,6 +47,37 @@ def out_of_memory(exc: BaseException) -> bool:
 
 def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
+def parse_mode(mode: str) -> tuple[str, dict[str, str]]:
+    """"full+cca=triton" -> ("full", {"cca": "triton"}); one-line errors for a mode the probe cannot run."""
+    from zrl.modeling.kernels import AUTO_ON_CUDA, CHOICES
+
+    checkpointing, *overrides = mode.split("+")
+    if checkpointing not in ("full", "selective"):
+        raise ValueError(f"trainer mode {mode!r}: checkpointing must be 'full' or 'selective', got {checkpointing!r}")
+    choices = {}
+    for item in overrides:
+        op, _, choice = item.partition("=")
+        if op not in AUTO_ON_CUDA or choice not in CHOICES:
+            raise ValueError(f"trainer mode {mode!r}: {item!r} must be op=choice with op one of "
+                             f"{', '.join(AUTO_ON_CUDA)} and choice one of {', '.join(CHOICES)}")
+        choices[op] = choice
+    return checkpointing, choices
+
+
+@contextlib.contextmanager
+def auto_choices(choices: dict[str, str]):
+    """AUTO_ON_CUDA with `choices` in place while the block runs (the run's worker lives in this process)."""
+    from zrl.modeling.kernels import AUTO_ON_CUDA
+
+    saved = dict(AUTO_ON_CUDA)
+    AUTO_ON_CUDA.update(choices)
+    try:
+        yield
+    finally:
+        AUTO_ON_CUDA.clear()
+        AUTO_ON_CUDA.update(saved)
 
 
 def trainer_config(layers: int, smoke: bool):
@@ -108,7 +144,7 @@ def part_trainer(args: argparse.Namespace, emit: Emit) -> None:
 
 def trainer_run(args: argparse.Namespace, emit: Emit, run: str, mode: str, config, checkpoint: str, setup: dict,
                 deadline: float) -> bool:
-    """One TrainerWorker on `checkpoint` with `mode` activation checkpointing: a warm-up step, up to
+    """One TrainerWorker on `checkpoint` in `mode` (parse_mode): a warm-up step, up to
     --steps timed ones (1 in the fit search) of --microbatches microbatches (1 in the fit search), and for
     PROFILED_RUN one more under torch.profiler, as far as `deadline` allows. False when it ran out of GPU memory."""
     from zrl.config.schema import Algorithm, MuonSpec, Optimizer
@@ -121,11 +157,13 @@ def trainer_run(args: argparse.Namespace, emit: Emit, run: str, mode: str, confi
                   Hq=config.num_attention_heads, Hk=config.num_key_value_heads, d=config.head_dim,
                   R=config.router_hidden_size, V=config.vocab_size, k0=config.cca_time0, k1=config.cca_time1,
                   rotary=config.rotary_dim)
+    checkpointing, choices = parse_mode(mode)
     microbatches, steps = (1, 1) if setup["fit"] else (args.microbatches, args.steps)
     spec = SMOKE_BATCH if args.smoke else BATCH
     budget = dict(token_budget=SMOKE_TOKEN_BUDGET) if args.smoke else {}  # else the recipe's default
     settings = TrainerSettings(param_dtype="bfloat16" if cuda else "float32", kernels="auto",
-                               activation_checkpointing=True, activation_checkpointing_selective=mode == "selective",
+                               activation_checkpointing=True,
+                               activation_checkpointing_selective=checkpointing == "selective",
                                max_response_tokens=1024, optimizer=Optimizer(muon=MuonSpec(lr=1e-6)),
                                algorithm=Algorithm(router_replay=True), **budget)
     model_shape = get_family(config.model_type).shape(config)
@@ -139,36 +177,38 @@ def trainer_run(args: argparse.Namespace, emit: Emit, run: str, mode: str, confi
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     loading, worker = time.perf_counter(), None
-    try:
-        worker = TrainerWorker(Rendezvous("127.0.0.1", port, rank=0, world_size=1), checkpoint, settings)
-        emit("trainer_setup", run=run, **setup, checkpointing=mode, shape=str(shape),
-             load_s=time.perf_counter() - loading, dtype=settings.param_dtype, kernels=settings.kernels,
-             token_budget=settings.token_budget, microbatches=microbatches)
-        last = None
-        profiled = run == PROFILED_RUN
-        for step in range(steps + 1):  # step 0 is the warm-up: compilation, allocator growth
-            # After the first timed step, stop while one more step (and the profiled one) still fit, with a margin.
-            if step >= 2 and time.time() + (2 + profiled) * last > deadline:
-                emit("note", text=f"{run}: stopped after {step} steps: the part's time is running out")
-                break
-            b = batch(step)
-            metrics = worker.train_step(worker.share_of(b))
-            last = metrics["perf/step_s"]
-            emit("trainer_step", run=run, **step_row(step, b, metrics, shape, setup["layers"]))
-        if profiled:
-            if time.time() + 2 * last < deadline:
-                profile_step(run, worker, batch(1000), cuda, emit)
-            else:
-                emit("note", text=f"{run}: no profiled step: the part's time is running out")
-    except RuntimeError as exc:
-        if not out_of_memory(exc):
-            raise
-        emit("oom", run=run, error=first_line(exc))
-        return False
-    finally:
-        if worker is not None:
-            worker.shutdown()
-    return True
+    with auto_choices(choices):
+        try:
+            worker = TrainerWorker(Rendezvous("127.0.0.1", port, rank=0, world_size=1), checkpoint, settings)
+            kernels = settings.kernels + "".join(f", {op} {choice}" for op, choice in choices.items())
+            emit("trainer_setup", run=run, **setup, checkpointing=checkpointing, overrides=choices, shape=str(shape),
+                 load_s=time.perf_counter() - loading, dtype=settings.param_dtype, kernels=kernels,
+                 token_budget=settings.token_budget, microbatches=microbatches)
+            last = None
+            profiled = run == PROFILED_RUN
+            for step in range(steps + 1):  # step 0 is the warm-up: compilation, allocator growth
+                # After the first timed step, stop while one more step (and the profiled one) still fit, with a margin.
+                if step >= 2 and time.time() + (2 + profiled) * last > deadline:
+                    emit("note", text=f"{run}: stopped after {step} steps: the part's time is running out")
+                    break
+                b = batch(step)
+                metrics = worker.train_step(worker.share_of(b))
+                last = metrics["perf/step_s"]
+                emit("trainer_step", run=run, **step_row(step, b, metrics, shape, setup["layers"]))
+            if profiled:
+                if time.time() + 2 * last < deadline:
+                    profile_step(run, worker, batch(1000), cuda, emit)
+                else:
+                    emit("note", text=f"{run}: no profiled step: the part's time is running out")
+        except RuntimeError as exc:
+            if not out_of_memory(exc):
+                raise
+            emit("oom", run=run, error=first_line(exc))
+            return False
+        finally:
+            if worker is not None:
+                worker.shutdown()
+        return True
 
 
 def step_row(step: int, batch, metrics: dict[str, float], shape: Shape, layers: int) -> dict:

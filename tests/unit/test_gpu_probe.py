@@ -265,6 +265,7 @@ def test_an_out_of_memory_step_is_a_row_and_ends_the_part(tmp_path, monkeypatch)
     # the selective run is not tried after the full one ran out of memory
     assert [(r["kind"], r["run"]) for r in rows] == [("trainer_setup", "2 full"), ("oom", "2 full")]
     assert rows[1]["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert rows[0]["checkpointing"] == "full" and rows[0]["overrides"] == {}
     assert trainer.out_of_memory(RuntimeError("CUDA error: out of memory"))  # cuBLAS, NCCL
     assert not trainer.out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
 
@@ -361,6 +362,28 @@ def test_goals_without_a_datasheet_peak_give_no_verdict():
     assert rows["MFU at 40 layers, projected"][1:] == ("not measured", ">= 30% of the data sheet", "-")
 
 
+def test_trainer_modes_and_their_kernel_choices():
+    from zrl.modeling.kernels import AUTO_ON_CUDA
+
+    assert trainer.parse_mode("selective") == ("selective", {})
+    assert trainer.parse_mode("full+cca=triton+experts=reference") == ("full", {"cca": "triton",
+                                                                               "experts": "reference"})
+    for mode, message in (("none", "checkpointing must be 'full' or 'selective'"),
+                          ("full+cca", "'cca' must be op=choice"), ("full+conv=triton", "'conv=triton' must be"),
+                          ("full+cca=fast", "'cca=fast' must be op=choice")):
+        with pytest.raises(ValueError, match=message):
+            trainer.parse_mode(mode)
+    before = dict(AUTO_ON_CUDA)
+    with trainer.auto_choices({"cca": "triton"}):
+        assert AUTO_ON_CUDA == {**before, "cca": "triton"}
+    assert AUTO_ON_CUDA == before
+    # a run with a kernel overridden is not a base of the 40-layer projection
+    runs = {"4 full": dict(summary=dict(checkpointing="full", fit=False, overrides={}, layers=4)),
+            "4 full+cca=triton": dict(summary=dict(checkpointing="full", fit=False, overrides={"cca": "triton"},
+                                                    layers=4))}
+    assert report.base_runs(runs) == [runs["4 full"]["summary"]]
+
+
 @pytest.mark.slow  # 35-37 s measured on 2 cores at load average ~2 (53-56 s before its `gpu` tests ran without xdist)
 def test_smoke_run_writes_a_complete_report(tmp_path):
     """The whole probe on CPU, as CI runs it: every part ends ok, every op of the kernel table has rows at
@@ -374,7 +397,8 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
     (md,) = tmp_path.glob("smoke-*.md")
     twin = json.loads(md.with_suffix(".json").read_text())
     assert [(p["name"], p["arg"], p["status"]) for p in twin["parts"]] == [
-        ("env", "", "ok"), ("trainer", "4 full selective", "ok"), ("trainer", "8 full", "ok"), ("fit", "9", "ok"),
+        ("env", "", "ok"), ("trainer", "4 full selective full+cca=triton", "ok"), ("trainer", "8 full", "ok"),
+        ("fit", "9", "ok"),
         ("fit", "search", "ok"), ("kernels", "16384", "ok"), ("kernels", "65536", "ok"), ("gpu_tests", "", "ok")]
     s = twin["summary"]
     four, eight = (s["trainer"][name]["summary"] for name in ("4 full", "8 full"))
@@ -396,12 +420,15 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
         (128, "cca", "reference", "fwd+bwd"), (128, "cca", "library", "fwd+bwd")]
     for p in s["kernel_profiles"]:
         assert p["timed"] == "self CPU" and len(p["top"]) == 12 and p["busy_s"] >= p["top"][0]["self_ms"] / 1e3 > 0
-    assert set(s["trainer"]) == {"4 full", "4 selective", "8 full", "fit 9"}
+    assert set(s["trainer"]) == {"4 full", "4 selective", "4 full+cca=triton", "8 full", "fit 9"}
     assert len(s["trainer"]["4 full"]["profile"]["top"]) == 20 and "profile" not in s["trainer"]["8 full"]
     for name, run in s["trainer"].items():
         assert len(run["steps"]) == 2 and run["summary"]["tokens_per_s"] > 0
         assert run["summary"]["microbatches"] == (1 if name == "fit 9" else 2)
         assert run["trainer_setup"]["checkpointing"] == ("selective" if name == "4 selective" else "full")
+        overridden = name == "4 full+cca=triton"  # on CPU auto runs the reference whatever AUTO_ON_CUDA says
+        assert run["trainer_setup"]["overrides"] == ({"cca": "triton"} if overridden else {})
+        assert run["trainer_setup"]["kernels"] == ("auto, cca triton" if overridden else "auto")
         for step in run["steps"]:
             assert step["tokens"] == step["input_tokens"]  # the probe's FLOP count sees the tokens the trainer saw
             assert 0 < min(step["routed"]) and max(step["routed"]) <= step["tokens"]
