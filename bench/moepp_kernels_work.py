@@ -141,7 +141,7 @@ def cca_work(s: Shape, tokens: int, act: int) -> Work:
     channel), mean skip + residual + norm + temperature ~10 C, RoPE 3 rotary (Hq + Hk); backward 2x.
     Bytes, those of one fused pass per direction (cos and sin [T, rotary / 2] fp32 each = 4 T rotary):
     forward q, k read T C a, q, k written fp32 4 T C, doc_offset 8 T; backward T C (3 a + 12 + k1 (4 + a))
-    plus cos and sin. What each path really moves: bench/cca_traffic.py.
+    plus cos and sin. What each path really moves: bench/kernel_traffic.py.
     """
     per_token = 2 * s.k0 * s.C + 2 * s.k1 * s.d * s.C + 10 * s.C + 3 * s.rotary * (s.Hq + s.Hk)
     rope = tokens * s.rotary * 4

@@ -63,6 +63,21 @@ def drive_experts(dtype: torch.dtype, t: int = TOKENS, d: int = ZAYA1["D"], f: i
         moe_experts_triton(x, ids, gate, w_gu, w_down, config=cfg)
 
 
+def drive_experts_glue(x_dtype: torch.dtype, w_dtype: torch.dtype, t: int = TOKENS, d: int = ZAYA1["D"],
+                       f: int = ZAYA1["F"]) -> None:
+    """grouped_mm.py's fused glue (glue.py), forward + backward: x into the weights' dtype, the SwiGLU of
+    the gate_up GEMM's rows, the down output (weights' dtype) back to token order with the gate, fp32."""
+    from zrl.modeling.kernels.experts import glue
+
+    x, gate = _meta(t, d, dtype=x_dtype, grad=True), _meta(t, dtype=fp32, grad=True)
+    order, n = _meta(t, dtype=torch.int64), _meta(1, dtype=torch.int32)
+    _backward((glue.permute(x, order, n, w_dtype),), [x])
+    gu = _meta(t, 2 * f, dtype=w_dtype, grad=True)
+    _backward((glue.swiglu(gu, n),), [gu])
+    y_sorted = _meta(t, d, dtype=w_dtype, grad=True)
+    _backward((glue.unpermute_scale(y_sorted, gate, order, n),), [y_sorted, gate])
+
+
 def drive_router(dtype: torch.dtype, t: int = TOKENS, r: int = ZAYA1["R"], c: int = ZAYA1["E"] + 1,
                  replay: bool = True, **blocks) -> None:
     """Forward (no replay) + backward, and with `replay` the replay variant of the forward; `blocks`:
@@ -177,6 +192,7 @@ def _production() -> list[Driver]:
     return [
         prod("experts", "bf16", lambda: drive_experts(bf16), trainer=True),
         prod("experts", "fp32", lambda: drive_experts(fp32)),
+        prod("experts", "glue bf16", lambda: drive_experts_glue(bf16, bf16), trainer=True),
         prod("router", "bf16", lambda: drive_router(bf16), trainer=True),
         prod("router", "fp32", lambda: drive_router(fp32)),
         prod("residual_norm", "bf16 branch+params", lambda: drive_residual_norm(bf16), trainer=True),
@@ -211,6 +227,19 @@ def _experts_cases() -> list[tuple[str, dict]]:
     small = KernelConfig(block_m=32, block_n=32, block_k=16, block_r=32, num_warps=4, num_stages=2)
     cases.append(("test_other_tile_sizes", dict(dtype=fp32, t=64, d=48, f=48, e=3, config=small)))
     cases.append(("test_bf16_error", dict(dtype=bf16, t=512, d=256, f=192, e=4)))
+    return cases
+
+
+def _experts_glue_cases() -> list[tuple[str, dict]]:
+    """grouped_mm.py on CUDA runs the fused glue: its tests' (T, D) in fp32, and the bf16 one."""
+    from zrl.modeling.kernels.experts import test_experts
+
+    sizes = {(t, d, f) for t, d, f, _ in test_experts.SHAPES} | {(40, 32, 48), (64, 32, 48), (2, 32, 48),
+                                                                 (33, 32, 48), (33, 32, 16)}
+    cases = [(f"test_grouped_mm T={t} D={d} F={f}", dict(x_dtype=fp32, w_dtype=fp32, t=t, d=d, f=f))
+             for t, d, f in sorted(sizes)]
+    cases.append(("test_auto_runs_grouped_mm_bf16_on_hopper_cuda",
+                  dict(x_dtype=bf16, w_dtype=bf16, t=512, d=256, f=192)))
     return cases
 
 
@@ -309,6 +338,8 @@ def _test_shapes() -> list[Driver]:
 
     drivers = [test("experts", label, functools.partial(drive_experts, **kw), kw["dtype"] == bf16)
                for label, kw in _experts_cases()]
+    drivers += [test("experts", label, functools.partial(drive_experts_glue, **kw), kw["w_dtype"] == bf16)
+                for label, kw in _experts_glue_cases()]
     drivers += [test("router", label, functools.partial(drive_router, **kw), kw["dtype"] == bf16)
                 for label, kw in _router_cases()]
     drivers += [test("residual_norm", label, run) for label, run in _residual_norm_cases()]
@@ -337,7 +368,7 @@ def token_drivers() -> dict[str, Callable[[int], None]]:
                 drive_lm_head_grad_parts(with_entropy, c)
 
     return {
-        "experts": lambda t: drive_experts(bf16, t),
+        "experts": lambda t: (drive_experts(bf16, t), drive_experts_glue(bf16, bf16, t)),
         "router": lambda t: drive_router(bf16, t),
         "residual_norm": lambda t: drive_residual_norm(bf16, t),
         "cca": lambda t: drive_cca(bf16, t),

@@ -13,6 +13,11 @@ the input's gradient (the backward of `where` selects, it never multiplies a NaN
 intermediate [g; u] and act tails stay undefined: the down GEMM and both weight gradients read only
 the rows inside the groups.
 
+On CUDA (Triton installed) the glue between and around the GEMMs is glue.py's: one Triton pass each
+for the gather (skip tail written as zeros), the SwiGLU (skip tail not touched) and the gated scatter
+back to token order (skip tokens' rows zero), and one each for their backward; the same values as the
+PyTorch ops (glue.py says to what precision), about half their memory traffic.
+
 Where the library op runs without a host sync (`unsupported_reason`): CUDA capability 9.x (Hopper;
 10.x has a fast path too, but gave non-zero weight gradients for experts without tokens, pytorch
 issue 172439), bf16 weights (any other dtype takes a fallback that reads `offs` on the host), D and F
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from zrl.modeling import kernels
 
 
 def available() -> bool:
@@ -61,13 +68,29 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
 
 
 def moe_experts_grouped_mm(x: torch.Tensor, expert_ids: torch.Tensor, gate: torch.Tensor,
-                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                           fused_glue: bool | None = None) -> torch.Tensor:
     """Same contract as `moe_experts`: x [T, D], expert_ids [T] in [0, E], gate [T] fp32,
-    gate_up_proj [E, 2F, D], down_proj [E, D, F] -> y [T, D] fp32."""
+    gate_up_proj [E, 2F, D], down_proj [E, D, F] -> y [T, D] fp32.
+
+    fused_glue: the row moves around the GEMMs as glue.py's Triton passes (None: on CUDA when Triton is
+    installed; True on CPU runs them in Triton's interpreter) or as PyTorch ops (False); the same values.
+    """
     order, offs = sort_by_expert(expert_ids, gate_up_proj.shape[0])
-    routed = (torch.arange(x.shape[0], device=x.device) < offs[-1])[:, None]  # [T, 1], sorted rows
-    x_sorted = torch.where(routed, x.index_select(0, order).to(gate_up_proj.dtype), 0)  # [T, D]
-    g, u = torch._grouped_mm(x_sorted, gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [T, F]
+    if fused_glue is None:
+        fused_glue = x.is_cuda and kernels.triton_available()
+    if fused_glue:
+        from zrl.modeling.kernels.experts import glue  # lazy: Triton picks interpreter/compiler at import
+
+        x_sorted = glue.permute(x, order, offs[-1:], gate_up_proj.dtype)  # [T, D], zero rows past offs[-1]
+    else:
+        routed = (torch.arange(x.shape[0], device=x.device) < offs[-1])[:, None]  # [T, 1], sorted rows
+        x_sorted = torch.where(routed, x.index_select(0, order).to(gate_up_proj.dtype), 0)  # [T, D]
+    gu = torch._grouped_mm(x_sorted, gate_up_proj.transpose(1, 2), offs=offs)  # [T, 2F]: [g; u]
+    if fused_glue:
+        y_sorted = torch._grouped_mm(glue.swiglu(gu, offs[-1:]), down_proj.transpose(1, 2), offs=offs)  # [T, D]
+        return glue.unpermute_scale(y_sorted, gate, order, offs[-1:])
+    g, u = gu.chunk(2, dim=-1)  # [T, F] each
     y_sorted = torch._grouped_mm(F.silu(g) * u, down_proj.transpose(1, 2), offs=offs)  # [T, D]
     # bf16 * fp32 promotes to fp32 (the reference's y.float() * gate, bitwise) but leaves autograd
     # the bf16 y_sorted to save for dgate, not an fp32 copy.

@@ -12,6 +12,7 @@ GPU: sm90_drivers.py lists them, and a new CUDA case needs its line there.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -295,21 +296,28 @@ needs_grouped_mm = pytest.mark.skipif(not grouped_mm.available(),
                                       reason=f"torch {torch.__version__} has no usable torch._grouped_mm")
 
 
+def grouped_mm_with(fused_glue: bool):
+    """grouped_mm.py with its row moves as glue.py's Triton passes (the interpreter on CPU) or PyTorch ops."""
+    return functools.partial(moe_experts_grouped_mm, fused_glue=fused_glue)
+
+
 @needs_grouped_mm
+@pytest.mark.parametrize("fused_glue", [False, True], ids=["torch_glue", "fused_glue"])
 @pytest.mark.parametrize("t,d,f,e", SHAPES)
-def test_grouped_mm_parity_random_routing(device, t, d, f, e):
+def test_grouped_mm_parity_random_routing(device, t, d, f, e, fused_glue):
     # fp32, measured max error relative to the tensor's max: 0 on CPU (torch's CPU kernel is a
-    # per-expert mm, the reference's F.linear); REL_TOL leaves room for another summation order.
+    # per-expert mm, the reference's F.linear), both glues; REL_TOL leaves room for another summation order.
     leaves, ids, dy = make_inputs(t, d, f, e, random_ids(t, e, seed=t + d + f + e), device)
-    assert_parity(run(moe_experts_grouped_mm, leaves, ids, dy), run(moe_experts_reference, leaves, ids, dy))
+    assert_parity(run(grouped_mm_with(fused_glue), leaves, ids, dy), run(moe_experts_reference, leaves, ids, dy))
 
 
 @needs_grouped_mm
+@pytest.mark.parametrize("fused_glue", [False, True], ids=["torch_glue", "fused_glue"])
 @pytest.mark.parametrize("ids", [[1, 3, 4, 1, 1, 3, 4, 3] * 5, [2] * 64, [3, 0], [4] * 33])
-def test_grouped_mm_parity_edge_routing(device, ids):
+def test_grouped_mm_parity_edge_routing(device, ids, fused_glue):
     """Experts without tokens, one expert, fewer tokens than experts, every token skipped (E = 4)."""
     leaves, ids, dy = make_inputs(len(ids), 32, 48, 4, ids, device, seed=3)
-    got = run(moe_experts_grouped_mm, leaves, ids, dy)
+    got = run(grouped_mm_with(fused_glue), leaves, ids, dy)
     assert_parity(got, run(moe_experts_reference, leaves, ids, dy))
     skipped = ids == 4
     assert (got[0][skipped] == 0).all() and (got[1][skipped] == 0).all() and (got[2][skipped] == 0).all()
@@ -336,7 +344,8 @@ class _UndefinedTail(torch.autograd.Function):
 
 
 @needs_grouped_mm
-def test_grouped_mm_rows_outside_groups_never_reach_the_result(monkeypatch):
+@pytest.mark.parametrize("fused_glue", [False, True], ids=["torch_glue", "fused_glue"])
+def test_grouped_mm_rows_outside_groups_never_reach_the_result(monkeypatch, fused_glue):
     """torch._grouped_mm leaves rows past offs[-1] undefined in its output and in its first operand's
     gradient, and ignores them in its inputs. Made NaN in all four places, the skip tokens' rows
     must still give the reference's values (zeros) and no NaN anywhere."""
@@ -350,9 +359,30 @@ def test_grouped_mm_rows_outside_groups_never_reach_the_result(monkeypatch):
     assert (ids == 3).sum() >= 4 and (ids < 3).sum() >= 4
     want = run(moe_experts_reference, leaves, ids, dy)
     monkeypatch.setattr(torch, "_grouped_mm", undefined_outside_groups)
-    got = run(moe_experts_grouped_mm, leaves, ids, dy)
+    got = run(grouped_mm_with(fused_glue), leaves, ids, dy)
     assert all(not g.isnan().any() for g in got)
     assert_parity(got, want)
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("seed", [11, 14])
+@pytest.mark.parametrize("x_dtype,w_dtype,tol", [
+    # fp32: measured <= 1.6e-7 of each tensor's largest entry (seeds 11-15): the glue's silu and sigmoid
+    # against torch's vectorised ones, an fp32 ulp apart, and dgate's sum order
+    (torch.float32, torch.float32, 1e-6),
+    # fp16 weights: measured 0 for most seeds, <= 4.4e-5 (dx, dW_gu; seed 14) where that ulp flips the fp16
+    # rounding of one element of dg
+    (torch.float32, torch.float16, 2e-4), (torch.float16, torch.float16, 2e-4)])
+def test_fused_glue_gives_the_pytorch_glue_values(x_dtype, w_dtype, tol, seed):
+    """glue.py's Triton passes (interpreter) against grouped_mm.py's PyTorch glue, x cast to the weights'
+    dtype on the way in and dx cast back. bf16 is a GPU case (the interpreter's bf16 is wrong)."""
+    leaves, ids, dy = make_inputs(40, 48, 32, 3, random_ids(40, 3, seed=seed), "cpu")
+    leaves = [v.detach().to(x_dtype if i == 0 else (torch.float32 if i == 1 else w_dtype)).requires_grad_()
+              for i, v in enumerate(leaves)]
+    fused, torch_glue = (run(grouped_mm_with(f), leaves, ids, dy) for f in (True, False))
+    assert [a.dtype for a in fused] == [b.dtype for b in torch_glue]
+    errors = rel_errors(fused, torch_glue)
+    assert max(errors.values()) <= tol, errors
 
 
 def test_grouped_mm_declines_what_it_cannot_run_without_a_sync():

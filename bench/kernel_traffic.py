@@ -1,0 +1,248 @@
+"""Launches and memory traffic of the CCA preconditioner's and the MoE experts' paths, forward and backward,
+counted on CPU: what each would launch on a GPU, the bytes those launches move, and the time that traffic
+and the GEMMs take at the H200's rates.
+
+  python bench/kernel_traffic.py [--ops cca experts] [--tokens 1024] [--scale-to 65536]
+                                 [--out bench/results/kernel-traffic-cpu-DATE.md]
+
+A dispatch mode sees every aten op a path runs, autograd's backward included (the same calls on any
+device). Each op that is not a view or an allocation counts as one launch moving the bytes of its tensor
+inputs and outputs (a broadcast or sliced input at most its storage; a fill its output only). Triton
+kernels are not aten ops: their launches are counted where they are made, with the bytes of every
+tensor argument, each read or written once (re-reads of a neighbour row or of a query head within a
+program are taken as cache hits). Bytes are a + b T in the tokens T (weights a, activations b): each
+path is counted at `--tokens` and twice that, and the line through both gives the figure at `--scale-to`.
+
+Paths. CCA (zrl/moepp/kernels/cca): "reference" (cuDNN convolutions over a padded stream, PyTorch ops
+after them), "library" (the convolutions as shifted sums and one batched GEMM, the same PyTorch ops
+after), "triton" (the grouped convolution as that GEMM, everything around it in Triton). Experts
+(zrl/modeling/kernels/experts, grouped_mm.py, what auto runs on Hopper): "torch glue" (the row moves
+around the two grouped GEMMs as PyTorch ops), "fused glue" (as glue.py's Triton passes), "transformers"
+(transformers' ZayaExperts on its grouped_mm implementation, the skip class as expert 0 with weight 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import datetime
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on CPU
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+import torch.utils._pytree  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+from moepp_kernels_work import FULL  # noqa: E402
+from roofline import ROOFLINE  # noqa: E402
+from zrl.modeling.kernels import use_backend  # noqa: E402
+from zrl.modeling.kernels.gemm_count import GemmCounter  # noqa: E402
+
+CCA_SHAPE = dict(hq=FULL.Hq, hk=FULL.Hk, d=FULL.d, k0=FULL.k0, k1=FULL.k1, rotary=FULL.rotary)
+EXPERTS_SHAPE = dict(d=FULL.D, f=FULL.F, e=FULL.E)
+PATHS = {"cca": ("reference", "library", "triton"), "experts": ("torch glue", "fused glue", "transformers")}
+aten = torch.ops.aten
+NO_TRAFFIC = {aten.detach, aten._unsafe_view, aten.empty_like, aten.new_empty, aten.empty, aten.empty_strided,
+              aten.new_empty_strided, aten.lift_fresh}  # views in all but name, and allocations
+WRITE_ONLY = {aten.zeros, aten.new_zeros, aten.zeros_like, aten.ones_like, aten.full, aten.new_full,
+              aten.fill_, aten.zero_, aten.arange}  # they write their output and read nothing
+GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+class Traffic(TorchDispatchMode):
+    """Per phase ("fwd" / "bwd", set by the caller): launches, bytes, the launches' names, and the bytes of
+    the launches that are not GEMMs (the glue around them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "fwd"
+        self.launches: collections.Counter[str] = collections.Counter()
+        self.bytes: collections.Counter[str] = collections.Counter()
+        self.glue_bytes: collections.Counter[str] = collections.Counter()
+        self.names: dict[str, list[str]] = collections.defaultdict(list)
+
+    def add(self, name: str, tensors: list) -> None:
+        moved = sum(_bytes(t) for t in tensors if isinstance(t, torch.Tensor))
+        self.launches[self.phase] += 1
+        self.bytes[self.phase] += moved
+        self.glue_bytes[self.phase] += 0 if name in GEMMS else moved
+        self.names[self.phase].append(name)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if not func.is_view and packet not in NO_TRAFFIC:
+            moved = out if packet in WRITE_ONLY else (args, kwargs, out)
+            self.add(packet.__name__, torch.utils._pytree.tree_leaves(moved))
+        return out
+
+
+class _CountedLaunch:
+    """Stands in for a Triton kernel object: `kernel[grid](*args)` records one launch and its tensors' bytes."""
+
+    def __init__(self, name: str, kernel, traffic: Traffic) -> None:
+        self.name, self.kernel, self.traffic = name, kernel, traffic
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.traffic.add(self.name, list(args))
+            with _disable_current_modes():  # the interpreter's own copies are not the kernel's traffic
+                return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@contextlib.contextmanager
+def counted_launches(module, traffic: Traffic):
+    """Every Triton kernel of `module` (its `_..._kernel` attributes) counted into `traffic` while the block runs."""
+    names = [n for n in dir(module) if n.startswith("_") and n.endswith("_kernel")]
+    saved = {n: getattr(module, n) for n in names}
+    for n, kernel in saved.items():
+        setattr(module, n, _CountedLaunch(n, kernel, traffic))
+    try:
+        yield
+    finally:
+        for n, kernel in saved.items():
+            setattr(module, n, kernel)
+
+
+def _cca(path: str, tokens: int, shape: dict, gen: torch.Generator):
+    """(run, leaves) of the CCA preconditioner on `tokens` tokens in documents of 1,024."""
+    from zrl.modeling.packing import build_layout
+    from zrl.modeling.rope import rope_cos_sin
+    from zrl.moepp.kernels.cca import cca_precondition, library, reference
+
+    s = shape
+    c = (s["hq"] + s["hk"]) * s["d"]
+    lens = [1024] * (tokens // 1024) + ([tokens % 1024] if tokens % 1024 else [])
+    layout = build_layout(tokens, device=torch.device("cpu"),
+                          cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]))
+    cos, sin = rope_cos_sin(layout.positions, s["rotary"], 10_000.0)
+
+    def leaf(*size, scale=1.0, dtype=torch.float32):
+        return (scale * torch.randn(*size, generator=gen)).to(dtype).requires_grad_()
+
+    leaves = [leaf(tokens, s["hq"] * s["d"], dtype=torch.bfloat16), leaf(tokens, s["hk"] * s["d"], dtype=torch.bfloat16),
+              leaf(c, 1, s["k0"], scale=0.5), leaf(c, scale=0.1), leaf(c, s["d"], s["k1"], scale=0.05),
+              leaf(c, scale=0.1), leaf(s["hk"], scale=0.1)]
+    args = (*leaves, layout.doc_offset, cos, sin, s["hq"], s["hk"], s["d"])
+
+    def run():
+        if path == "library":
+            return reference.cca_precondition(*args, convs=library.causal_convs)
+        with use_backend(path):
+            return cca_precondition(*args, num_docs=layout.num_docs)
+
+    return run, leaves
+
+
+def _experts(path: str, tokens: int, shape: dict, gen: torch.Generator):
+    """(run, leaves) of the experts on `tokens` tokens, ~1/17 of them in the skip class (uniform ids)."""
+    from zrl.modeling.kernels.experts.grouped_mm import moe_experts_grouped_mm
+
+    d, f, e = shape["d"], shape["f"], shape["e"]
+    x = torch.randn(tokens, d, generator=gen).bfloat16().requires_grad_()
+    ids = torch.randint(0, e + 1, (tokens,), generator=gen)
+    gate = torch.rand(tokens, generator=gen).requires_grad_()
+    gate_up = (0.02 * torch.randn(e, 2 * f, d, generator=gen)).bfloat16().requires_grad_()
+    down = (0.02 * torch.randn(e, d, f, generator=gen)).bfloat16().requires_grad_()
+    if path != "transformers":
+        return (lambda: moe_experts_grouped_mm(x, ids, gate, gate_up, down, fused_glue=path == "fused glue"),
+                [x, gate, gate_up, down])
+    import transformers.models.zaya.modeling_zaya as hf
+
+    config = {k: v for k, v in FULL.config().to_hf_dict().items() if k not in ("architectures", "model_type")}
+    experts = hf.ZayaExperts(hf.ZayaConfig(**{**config, "hidden_size": d, "moe_intermediate_size": f,
+                                              "num_experts": e}))
+    experts.load_state_dict({"gate_up_proj": gate_up.detach(), "down_proj": down.detach()})
+    experts = experts.to(torch.bfloat16)
+    experts.config._experts_implementation = "grouped_mm"
+    hf_ids, hf_gate = torch.where(ids == e, 0, ids)[:, None], torch.where(ids == e, 0.0, gate)[:, None]
+    return lambda: experts(x, hf_ids, hf_gate), [x, *experts.parameters()]
+
+
+def count(op: str, path: str, tokens: int, shape: dict | None = None, seed: int = 0) -> dict:
+    """One forward and backward of `op`'s `path` on `tokens` tokens: launches, bytes, glue bytes and launch
+    names per phase, and the GEMM FLOPs."""
+    from zrl.modeling.kernels.experts import glue
+    from zrl.moepp.kernels.cca import triton_kernel
+
+    gen = torch.Generator().manual_seed(seed)
+    build = _cca if op == "cca" else _experts
+    run, leaves = build(path, tokens, shape or (CCA_SHAPE if op == "cca" else EXPERTS_SHAPE), gen)
+    traffic, gemms = Traffic(), GemmCounter()
+    with counted_launches(triton_kernel, traffic), counted_launches(glue, traffic), gemms, traffic:
+        out = run()
+        outs = out if isinstance(out, tuple) else (out,)
+        traffic.phase = "bwd"
+        with _disable_current_modes():
+            grads_out = [torch.ones_like(o) for o in outs]
+        torch.autograd.grad(outs, leaves, grads_out)
+    return dict(launches=dict(traffic.launches), bytes=dict(traffic.bytes), glue_bytes=dict(traffic.glue_bytes),
+                names=dict(traffic.names), gemm_flops=gemms.total_flops)
+
+
+def at(tokens: int, small: dict, large: dict, small_tokens: int) -> Callable[[str, str], float]:
+    """The line through two counts (at small_tokens and twice that) read at `tokens`: value(key, phase)."""
+    def value(key: str, phase: str) -> float:
+        a, b = small[key].get(phase, 0), large[key].get(phase, 0)
+        return a + (b - a) * (tokens - small_tokens) / small_tokens
+    return value
+
+
+def report(op: str, tokens: int, scale_to: int, counts: dict[str, tuple[dict, dict]]) -> str:
+    hbm = ROOFLINE["hbm_tbs"] * 1e12
+    # the CCA's GEMMs are fp32 (CCA_STATE; FMA units), the experts' bf16 (tensor cores)
+    rate, rate_name = ((ROOFLINE["fp32_tflops"], "fp32") if op == "cca" else (ROOFLINE["gemm_tflops"], "bf16"))
+    lines = [f"| path | launches fwd / bwd | GB fwd / bwd | glue GB fwd / bwd | bytes ms at {ROOFLINE['hbm_tbs']} "
+             f"TB/s | {rate_name} GEMM ms at {rate:.0f} TFLOP/s | floor ms fwd+bwd |", "|---|---|---|---|---|---|---|"]
+    for path, (small, large) in counts.items():
+        v = at(scale_to, small, large, tokens)
+        gb = {p: v("bytes", p) / 1e9 for p in ("fwd", "bwd")}
+        glue = {p: v("glue_bytes", p) / 1e9 for p in ("fwd", "bwd")}
+        byte_ms = (gb["fwd"] + gb["bwd"]) * 1e9 / hbm * 1e3
+        gemm_ms = small["gemm_flops"] * scale_to / tokens / (rate * 1e12) * 1e3
+        lines.append(f"| {path} | {small['launches'].get('fwd', 0)} / {small['launches'].get('bwd', 0)} | "
+                     f"{gb['fwd']:.2f} / {gb['bwd']:.2f} | {glue['fwd']:.2f} / {glue['bwd']:.2f} | {byte_ms:.2f} | "
+                     f"{gemm_ms:.2f} | {byte_ms + gemm_ms:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ops", nargs="+", choices=tuple(PATHS), default=list(PATHS))
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--scale-to", type=int, default=65536)
+    p.add_argument("--out", type=Path)
+    a = p.parse_args()
+    sections = []
+    for op in a.ops:
+        counts = {path: (count(op, path, a.tokens), count(op, path, 2 * a.tokens)) for path in PATHS[op]}
+        shape = CCA_SHAPE if op == "cca" else EXPERTS_SHAPE
+        sections.append(f"## {op}, ZAYA1-8B shape {shape}, at {a.scale_to:,} tokens\n\n"
+                        f"{report(op, a.tokens, a.scale_to, counts)}\n")
+    ops = " ".join(a.ops)
+    text = (f"# Kernel launches and traffic per path ({datetime.date.today()}, counted on CPU)\n\n"
+            f"`python bench/kernel_traffic.py --ops {ops} --tokens {a.tokens} --scale-to {a.scale_to}`; bf16 "
+            f"activations (CCA: q/k; experts: x and the weights), CCA documents of 1,024 tokens. Glue = the "
+            f"launches that are not GEMMs. Floor = bytes at the data-sheet bandwidth + GEMM FLOPs at the rate "
+            f"named (CCA: fp32 FMA, data sheet; experts: bf16, the measured 8192^3 GEMM), no overlap assumed.\n\n"
+            + "\n".join(sections))
+    print(text)
+    if a.out:
+        a.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""bench/kernel_traffic.py: the traffic counter by hand, and what the CCA's Triton path and the experts' fused
+glue launch (tiny shapes, Triton's interpreter). Counts, not times."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zrl.modeling.kernels.experts import grouped_mm
+
+_BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(_BENCH))  # the script imports its neighbours roofline.py and moepp_kernels_work.py
+_spec = importlib.util.spec_from_file_location("bench_kernel_traffic", _BENCH / "kernel_traffic.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+TINY_CCA = dict(hq=2, hk=1, d=32, k0=3, k1=2, rotary=16)
+TINY_EXPERTS = dict(d=32, f=48, e=3)
+
+
+def test_counter_by_hand():
+    x, y = torch.ones(4, 4), torch.ones(4, 4)
+    with bench.Traffic() as t:
+        x + y  # reads 2 x 64 B, writes 64 B
+        x.view(16).t()  # views: nothing
+        torch.zeros(4)  # writes 16 B, reads nothing
+        x[:, :2] * 2  # the sliced input at its 32 B, not its 64 B storage; writes 32 B
+        torch.empty_like(x)  # an allocation: nothing
+        x @ y  # a GEMM: not glue
+    assert t.names["fwd"] == ["add", "zeros", "mul", "mm"]
+    assert t.launches["fwd"] == 4 and t.bytes["fwd"] == 192 + 16 + 64 + 192 and t.glue_bytes["fwd"] == 272
+    line = bench.at(300, dict(bytes={"fwd": 10}), dict(bytes={"fwd": 16}), small_tokens=100)
+    assert line("bytes", "fwd") == 22  # 4 + 0.06 T through (100, 10) and (200, 16)
+
+
+def test_cca_triton_path_launches_and_moves_less_than_the_reference():
+    paths = {path: bench.count("cca", path, 256, TINY_CCA) for path in bench.PATHS["cca"]}
+    names = paths["triton"]["names"]
+    # Forward: the GEMM weight's layout (flip, clone), the taps, the grouped convolution, the epilogue.
+    assert names["fwd"] == ["flip", "clone", "_taps_fwd_kernel", "baddbmm", "_fwd_kernel"]
+    # Backward: the epilogue, g_W1, g_b1, g_taps, the taps (with the q/k gradients), the partials' sums
+    # (g_w0, g_b0, g_temp) and the weights' layouts back.
+    kernels_and_gemms = [n for n in names["bwd"] if n.startswith("_") or n in bench.GEMMS]
+    assert kernels_and_gemms == ["_bwd_kernel", "bmm", "bmm", "_taps_bwd_kernel"]
+    assert len(names["bwd"]) == 11, names["bwd"]
+    for phase in ("fwd", "bwd"):
+        assert paths["triton"]["launches"][phase] < paths["reference"]["launches"][phase] / 4
+        assert paths["triton"]["bytes"][phase] < paths["reference"]["bytes"][phase] / 3
+    # the same GEMMs as the library formulation: one batched product forward, two backward
+    assert paths["triton"]["gemm_flops"] == paths["library"]["gemm_flops"] > 0
+
+
+@pytest.mark.skipif(not grouped_mm.available(), reason=f"torch {torch.__version__} has no torch._grouped_mm")
+def test_experts_fused_glue_launches_and_moves_less_than_the_torch_glue():
+    torch_glue, fused = (bench.count("experts", path, 64, TINY_EXPERTS) for path in ("torch glue", "fused glue"))
+    for phase in ("fwd", "bwd"):
+        kernels_and_gemms = [n for n in fused["names"][phase] if n.startswith("_")]
+        assert kernels_and_gemms == {
+            "fwd": ["_move_rows_kernel", "_grouped_mm", "_swiglu_fwd_kernel", "_grouped_mm", "_move_rows_kernel"],
+            "bwd": ["_unpermute_scale_bwd_kernel", "_grouped_mm", "_grouped_mm", "_swiglu_bwd_kernel", "_grouped_mm",
+                    "_grouped_mm", "_move_rows_kernel"]}[phase]
+        assert not {"index_copy", "where", "silu", "silu_backward", "cat"} & set(fused["names"][phase])
+        assert fused["launches"][phase] < torch_glue["launches"][phase]
+        assert fused["glue_bytes"][phase] < 0.6 * torch_glue["glue_bytes"][phase]
+    assert fused["gemm_flops"] == torch_glue["gemm_flops"] > 0
