@@ -124,8 +124,8 @@ OPS_LARGE = ("experts", "lm_logprobs", "attention", "cca", "router", "residual_n
 # fwd+bwd of these (op group, implementation) pairs also runs once under torch.profiler at PROFILED_TOKENS
 # (the trainer's microbatch size), their top PROFILE_TOP device kernels a table each: where the experts' glue
 # and the CCA's Triton kernels spend their time, beside the library paths they are weighed against.
-PROFILED = (("experts", "grouped_mm"), ("experts", "transformers grouped_mm"), ("cca", "reference"),
-            ("cca", "triton"), ("cca", "library"), ("lm_logprobs", "fused"))
+PROFILED = (("experts", "grouped_mm"), ("experts", "grouped_mm fused glue"), ("experts", "transformers grouped_mm"),
+            ("cca", "reference"), ("cca", "triton"), ("cca", "library"), ("lm_logprobs", "fused"))
 PROFILED_TOKENS, PROFILE_TOP = "65536", 12
 FIRST_CALL_LIMIT_S = 20.0  # a first call (compilation included) slower than this is not repeated
 SLOW_FORWARD_S = 5.0  # an implementation whose forward is slower than this is not run forward + backward

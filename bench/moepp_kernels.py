@@ -10,9 +10,9 @@ router latent R 256, V 262,272) against, in the same run and with the same weigh
                 ZayaResidualScaling + ZayaRMSNorm, ZayaCCAProjection + ZayaQKNorm + RoPE,
                 ZayaDecoderLayer; the LM head as lm_head + log_softmax + gather)
   grouped_mm    for the experts: zrl's torch._grouped_mm path (experts/grouped_mm.py, what auto runs on
-                Hopper: sort, grouped GEMM, SwiGLU, grouped GEMM, unsort; on CUDA its glue is glue.py's
-                Triton passes, and "grouped_mm torch glue" is the same with PyTorch ops); transformers'
-                own grouped_mm experts path too on CUDA
+                Hopper: sort, grouped GEMM, SwiGLU, grouped GEMM, unsort; on CUDA also "grouped_mm fused
+                glue", the same with its glue as glue.py's Triton passes); transformers' own grouped_mm
+                experts path too on CUDA
   library       for the LM head: its library formulation (lm_logprobs/library.py: the reference's chunks
                 with every product a sum of bf16 cuBLAS GEMMs on exact parts of the fp32 operands); for
                 the CCA: the reference with its convolutions as shifted sums and one batched GEMM
@@ -231,9 +231,9 @@ def experts_groups(ctx: Ctx, tokens: int) -> list[Group]:
         from zrl.modeling.kernels.experts.grouped_mm import moe_experts_grouped_mm  # what auto runs on Hopper
 
         impls.append(Impl("grouped_mm", lambda: moe_experts_grouped_mm(x, ids, gate, gate_up, down), leaves))
-        if ctx.device.type == "cuda":  # its glue as PyTorch ops (on CUDA the default is glue.py's Triton passes)
-            impls.append(Impl("grouped_mm torch glue", lambda: moe_experts_grouped_mm(
-                x, ids, gate, gate_up, down, fused_glue=False), leaves))
+        if ctx.device.type == "cuda":  # its glue as glue.py's Triton passes (the interpreter is too slow to time)
+            impls.append(Impl("grouped_mm fused glue", lambda: moe_experts_grouped_mm(
+                x, ids, gate, gate_up, down, fused_glue=True), leaves))
     if "transformers" in ctx.impls and ctx.hf is not None:
         # HF's router hands the skip class over as expert 0 with weight 0 (computed, then zeroed).
         hf_ids = torch.where(ids == s.E, 0, ids)[:, None]  # [T, 1]

@@ -231,15 +231,14 @@ def _experts_cases() -> list[tuple[str, dict]]:
 
 
 def _experts_glue_cases() -> list[tuple[str, dict]]:
-    """grouped_mm.py on CUDA runs the fused glue: its tests' (T, D) in fp32, and the bf16 one."""
+    """The CUDA tests of grouped_mm.py with `fused_glue`: their (T, D, F) in fp32, and the bf16 one."""
     from zrl.modeling.kernels.experts import test_experts
 
     sizes = {(t, d, f) for t, d, f, _ in test_experts.SHAPES} | {(40, 32, 48), (64, 32, 48), (2, 32, 48),
                                                                  (33, 32, 48), (33, 32, 16)}
     cases = [(f"test_grouped_mm T={t} D={d} F={f}", dict(x_dtype=fp32, w_dtype=fp32, t=t, d=d, f=f))
              for t, d, f in sorted(sizes)]
-    cases.append(("test_auto_runs_grouped_mm_bf16_on_hopper_cuda",
-                  dict(x_dtype=bf16, w_dtype=bf16, t=512, d=256, f=192)))
+    cases.append(("test_fused_glue_bf16_gpu", dict(x_dtype=bf16, w_dtype=bf16, t=512, d=256, f=192)))
     return cases
 
 
@@ -368,6 +367,7 @@ def token_drivers() -> dict[str, Callable[[int], None]]:
                 drive_lm_head_grad_parts(with_entropy, c)
 
     return {
+        # the glue: what grouped_mm.py launches with fused_glue (off until timed on a GPU)
         "experts": lambda t: (drive_experts(bf16, t), drive_experts_glue(bf16, bf16, t)),
         "router": lambda t: drive_router(bf16, t),
         "residual_norm": lambda t: drive_residual_norm(bf16, t),

@@ -13,10 +13,10 @@ the input's gradient (the backward of `where` selects, it never multiplies a NaN
 intermediate [g; u] and act tails stay undefined: the down GEMM and both weight gradients read only
 the rows inside the groups.
 
-On CUDA (Triton installed) the glue between and around the GEMMs is glue.py's: one Triton pass each
-for the gather (skip tail written as zeros), the SwiGLU (skip tail not touched) and the gated scatter
-back to token order (skip tokens' rows zero), and one each for their backward; the same values as the
-PyTorch ops (glue.py says to what precision), about half their memory traffic.
+With `fused_glue` the glue between and around the GEMMs is glue.py's: one Triton pass each for the
+gather (skip tail written as zeros), the SwiGLU (skip tail not touched) and the gated scatter back to
+token order (skip tokens' rows zero), and one each for their backward; the same values as the PyTorch
+ops (glue.py says to what precision), about half their memory traffic. Off by default: not yet timed.
 
 Where the library op runs without a host sync (`unsupported_reason`): CUDA capability 9.x (Hopper;
 10.x has a fast path too, but gave non-zero weight gradients for experts without tokens, pytorch
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from zrl.modeling import kernels
 
 
 def available() -> bool:
@@ -69,16 +67,15 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
 
 def moe_experts_grouped_mm(x: torch.Tensor, expert_ids: torch.Tensor, gate: torch.Tensor,
                            gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                           fused_glue: bool | None = None) -> torch.Tensor:
+                           fused_glue: bool = False) -> torch.Tensor:
     """Same contract as `moe_experts`: x [T, D], expert_ids [T] in [0, E], gate [T] fp32,
     gate_up_proj [E, 2F, D], down_proj [E, D, F] -> y [T, D] fp32.
 
-    fused_glue: the row moves around the GEMMs as glue.py's Triton passes (None: on CUDA when Triton is
-    installed; True on CPU runs them in Triton's interpreter) or as PyTorch ops (False); the same values.
+    fused_glue: the glue around the GEMMs as glue.py's Triton passes (on CPU in Triton's interpreter) instead
+    of PyTorch ops; the same values. Off by default until a GPU has timed it (the probe's "grouped_mm fused
+    glue" row beside "grouped_mm").
     """
     order, offs = sort_by_expert(expert_ids, gate_up_proj.shape[0])
-    if fused_glue is None:
-        fused_glue = x.is_cuda and kernels.triton_available()
     if fused_glue:
         from zrl.modeling.kernels.experts import glue  # lazy: Triton picks interpreter/compiler at import
 
