@@ -7,8 +7,9 @@ checkpointing; each step's row carries its tokens, routed tokens, phase times, p
 search (the probe's "fit" part, one process per try) reads it as its answer.
 
 A run's mode is its activation checkpointing ("full" or "selective"), optionally with kernel choices of
-`auto` overridden for that run: "full+cca=triton" runs full checkpointing with the CCA's Triton path where
-auto would run what AUTO_ON_CUDA names, so that one probe weighs a candidate in the whole step.
+`auto` overridden for that run: "full+cca=triton+fused_glue" runs full checkpointing with the CCA's Triton
+path where auto would run what AUTO_ON_CUDA names, and the experts' grouped_mm path with its fused glue,
+so that one probe weighs the candidates in the whole step.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def first_line(exc: BaseException) -> str:
 
 
 def parse_mode(mode: str) -> tuple[str, dict[str, str]]:
-    """"full+cca=triton" -> ("full", {"cca": "triton"}); one-line errors for a mode the probe cannot run."""
+    """"full+cca=triton+fused_glue" -> ("full", {"cca": "triton", "fused_glue": "on"}); one-line errors for a
+    mode the probe cannot run."""
     from zrl.modeling.kernels import AUTO_ON_CUDA, CHOICES
 
     checkpointing, *overrides = mode.split("+")
@@ -59,25 +61,32 @@ def parse_mode(mode: str) -> tuple[str, dict[str, str]]:
     choices = {}
     for item in overrides:
         op, _, choice = item.partition("=")
-        if op not in AUTO_ON_CUDA or choice not in CHOICES:
-            raise ValueError(f"trainer mode {mode!r}: {item!r} must be op=choice with op one of "
+        if item == "fused_glue":
+            choices[item] = "on"
+        elif op in AUTO_ON_CUDA and choice in CHOICES:
+            choices[op] = choice
+        else:
+            raise ValueError(f"trainer mode {mode!r}: {item!r} must be 'fused_glue' or op=choice with op one of "
                              f"{', '.join(AUTO_ON_CUDA)} and choice one of {', '.join(CHOICES)}")
-        choices[op] = choice
     return checkpointing, choices
 
 
 @contextlib.contextmanager
 def auto_choices(choices: dict[str, str]):
-    """AUTO_ON_CUDA with `choices` in place while the block runs (the run's worker lives in this process)."""
+    """AUTO_ON_CUDA with `choices` in place, and grouped_mm.FUSED_GLUE on with "fused_glue", while the block
+    runs (the run's worker lives in this process)."""
     from zrl.modeling.kernels import AUTO_ON_CUDA
+    from zrl.modeling.kernels.experts import grouped_mm
 
-    saved = dict(AUTO_ON_CUDA)
-    AUTO_ON_CUDA.update(choices)
+    saved, saved_glue = dict(AUTO_ON_CUDA), grouped_mm.FUSED_GLUE
+    AUTO_ON_CUDA.update({op: choice for op, choice in choices.items() if op in AUTO_ON_CUDA})
+    grouped_mm.FUSED_GLUE = saved_glue or "fused_glue" in choices
     try:
         yield
     finally:
         AUTO_ON_CUDA.clear()
         AUTO_ON_CUDA.update(saved)
+        grouped_mm.FUSED_GLUE = saved_glue
 
 
 def trainer_config(layers: int, smoke: bool):

@@ -364,19 +364,22 @@ def test_goals_without_a_datasheet_peak_give_no_verdict():
 
 def test_trainer_modes_and_their_kernel_choices():
     from zrl.modeling.kernels import AUTO_ON_CUDA
+    from zrl.modeling.kernels.experts import grouped_mm
 
     assert trainer.parse_mode("selective") == ("selective", {})
     assert trainer.parse_mode("full+cca=triton+experts=reference") == ("full", {"cca": "triton",
                                                                                "experts": "reference"})
+    assert trainer.parse_mode("full+fused_glue") == ("full", {"fused_glue": "on"})
     for mode, message in (("none", "checkpointing must be 'full' or 'selective'"),
-                          ("full+cca", "'cca' must be op=choice"), ("full+conv=triton", "'conv=triton' must be"),
-                          ("full+cca=fast", "'cca=fast' must be op=choice")):
+                          ("full+cca", "'cca' must be .fused_glue. or op=choice"),
+                          ("full+conv=triton", "'conv=triton' must be"), ("full+cca=fast", "'cca=fast' must be")):
         with pytest.raises(ValueError, match=message):
             trainer.parse_mode(mode)
     before = dict(AUTO_ON_CUDA)
-    with trainer.auto_choices({"cca": "triton"}):
-        assert AUTO_ON_CUDA == {**before, "cca": "triton"}
-    assert AUTO_ON_CUDA == before
+    assert not grouped_mm.FUSED_GLUE
+    with trainer.auto_choices({"cca": "triton", "fused_glue": "on"}):
+        assert AUTO_ON_CUDA == {**before, "cca": "triton"} and grouped_mm.FUSED_GLUE
+    assert AUTO_ON_CUDA == before and not grouped_mm.FUSED_GLUE
     # a run with a kernel overridden is not a base of the 40-layer projection
     runs = {"4 full": dict(summary=dict(checkpointing="full", fit=False, overrides={}, layers=4)),
             "4 full+cca=triton": dict(summary=dict(checkpointing="full", fit=False, overrides={"cca": "triton"},
@@ -397,7 +400,7 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
     (md,) = tmp_path.glob("smoke-*.md")
     twin = json.loads(md.with_suffix(".json").read_text())
     assert [(p["name"], p["arg"], p["status"]) for p in twin["parts"]] == [
-        ("env", "", "ok"), ("trainer", "4 full selective full+cca=triton", "ok"), ("trainer", "8 full", "ok"),
+        ("env", "", "ok"), ("trainer", "4 full selective full+cca=triton+fused_glue", "ok"), ("trainer", "8 full", "ok"),
         ("fit", "9", "ok"),
         ("fit", "search", "ok"), ("kernels", "16384", "ok"), ("kernels", "65536", "ok"), ("gpu_tests", "", "ok")]
     s = twin["summary"]
@@ -420,15 +423,15 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
         (128, "cca", "reference", "fwd+bwd"), (128, "cca", "library", "fwd+bwd")]
     for p in s["kernel_profiles"]:
         assert p["timed"] == "self CPU" and len(p["top"]) == 12 and p["busy_s"] >= p["top"][0]["self_ms"] / 1e3 > 0
-    assert set(s["trainer"]) == {"4 full", "4 selective", "4 full+cca=triton", "8 full", "fit 9"}
+    assert set(s["trainer"]) == {"4 full", "4 selective", "4 full+cca=triton+fused_glue", "8 full", "fit 9"}
     assert len(s["trainer"]["4 full"]["profile"]["top"]) == 20 and "profile" not in s["trainer"]["8 full"]
     for name, run in s["trainer"].items():
         assert len(run["steps"]) == 2 and run["summary"]["tokens_per_s"] > 0
         assert run["summary"]["microbatches"] == (1 if name == "fit 9" else 2)
         assert run["trainer_setup"]["checkpointing"] == ("selective" if name == "4 selective" else "full")
-        overridden = name == "4 full+cca=triton"  # on CPU auto runs the reference whatever AUTO_ON_CUDA says
-        assert run["trainer_setup"]["overrides"] == ({"cca": "triton"} if overridden else {})
-        assert run["trainer_setup"]["kernels"] == ("auto, cca triton" if overridden else "auto")
+        overridden = name == "4 full+cca=triton+fused_glue"  # on CPU auto runs the references whatever it is told
+        assert run["trainer_setup"]["overrides"] == ({"cca": "triton", "fused_glue": "on"} if overridden else {})
+        assert run["trainer_setup"]["kernels"] == ("auto, cca triton, fused_glue on" if overridden else "auto")
         for step in run["steps"]:
             assert step["tokens"] == step["input_tokens"]  # the probe's FLOP count sees the tokens the trainer saw
             assert 0 < min(step["routed"]) and max(step["routed"]) <= step["tokens"]

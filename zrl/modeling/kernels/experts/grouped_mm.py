@@ -31,6 +31,11 @@ import torch
 import torch.nn.functional as F
 
 
+# Whether the op runs glue.py's Triton passes by default: off until a GPU has timed them (the probe's kernel
+# rows "grouped_mm fused glue" beside "grouped_mm", and its trainer run "+fused_glue").
+FUSED_GLUE = False
+
+
 def available() -> bool:
     """torch >= 2.9: `_grouped_mm` with autograd, a CPU kernel and the sync-free sm90 fast path."""
     major, minor = (int(v) for v in torch.__version__.split(".")[:2])
@@ -67,15 +72,15 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
 
 def moe_experts_grouped_mm(x: torch.Tensor, expert_ids: torch.Tensor, gate: torch.Tensor,
                            gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                           fused_glue: bool = False) -> torch.Tensor:
+                           fused_glue: bool | None = None) -> torch.Tensor:
     """Same contract as `moe_experts`: x [T, D], expert_ids [T] in [0, E], gate [T] fp32,
     gate_up_proj [E, 2F, D], down_proj [E, D, F] -> y [T, D] fp32.
 
     fused_glue: the glue around the GEMMs as glue.py's Triton passes (on CPU in Triton's interpreter) instead
-    of PyTorch ops; the same values. Off by default until a GPU has timed it (the probe's "grouped_mm fused
-    glue" row beside "grouped_mm").
+    of PyTorch ops; the same values. None: FUSED_GLUE.
     """
     order, offs = sort_by_expert(expert_ids, gate_up_proj.shape[0])
+    fused_glue = FUSED_GLUE if fused_glue is None else fused_glue
     if fused_glue:
         from zrl.modeling.kernels.experts import glue  # lazy: Triton picks interpreter/compiler at import
 
