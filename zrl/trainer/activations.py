@@ -67,9 +67,11 @@ def _keep_compute_bound(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 def compute_bound_ops() -> frozenset:
     """The ops whose outputs a selectively checkpointed layer keeps: the matrix multiplies (nn.Linear
     lowers to mm / addmm), grouped expert GEMMs and the attention kernels of every SDPA backend and
-    varlen FlashAttention, as far as this torch has them. The CCA convolutions (depthwise/grouped, a
-    few taps) are memory-bound: recomputed. Ops inside Triton kernels are invisible to the policy, so a
-    layer's Triton kernels are recomputed whatever they compute."""
+    varlen FlashAttention, as far as this torch has them. The CCA reference's convolutions (depthwise/
+    grouped, a few taps) are memory-bound: recomputed; its Triton and library paths run the grouped one
+    as a `baddbmm`, whose fp32 output (4 bytes per channel per token) is kept like any GEMM's. Ops inside
+    Triton kernels are invisible to the policy, so a layer's Triton kernels are recomputed whatever they
+    compute."""
     names = [("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"), ("aten", "baddbmm"), ("aten", "_grouped_mm"),
              ("aten", "_scaled_dot_product_flash_attention"), ("aten", "_scaled_dot_product_efficient_attention"),
              ("aten", "_scaled_dot_product_cudnn_attention"), ("aten", "_scaled_dot_product_flash_attention_for_cpu"),

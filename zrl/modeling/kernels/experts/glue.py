@@ -21,7 +21,8 @@ atomics. n is read on the device (offs[E-1]): no host synchronisation. The value
 glue's: the same products and casts, bitwise for the row moves but for g_gate's sum order; the SwiGLU's
 silu and sigmoid may differ from torch's vectorised ones by an ulp of fp32 before the rounding.
 
-One program per sorted row and BLOCK_D columns; T is not specialised on (`do_not_specialize`).
+One program per sorted row and up to 1,024 columns; the token count is the grid, not an argument, so a
+new count compiles no new variant.
 """
 
 from __future__ import annotations
@@ -33,8 +34,14 @@ import triton.language as tl
 _BLOCK_D = 1024  # columns per program: a bf16 row of D = F = 2048 in two programs
 
 
-@triton.jit(do_not_specialize=["T"])
-def _move_rows_kernel(src_ptr, order_ptr, n_ptr, scale_ptr, dst_ptr, T, D: tl.constexpr, SCATTER: tl.constexpr,
+@triton.jit
+def _silu(g):
+    """silu of fp32 g, the formula of torch's CUDA kernel (x / (1 + exp(-x)))."""
+    return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def _move_rows_kernel(src_ptr, order_ptr, n_ptr, scale_ptr, dst_ptr, D: tl.constexpr, SCATTER: tl.constexpr,
                       HAS_SCALE: tl.constexpr, BLOCK_D: tl.constexpr):
     """Sorted row i = program 0, token t = order[i]: dst[t] = src[i] (SCATTER) or dst[i] = src[t], times
     scale[t] (HAS_SCALE) in fp32, cast to dst's dtype; zero where i >= n."""
@@ -53,8 +60,8 @@ def _move_rows_kernel(src_ptr, order_ptr, n_ptr, scale_ptr, dst_ptr, T, D: tl.co
     tl.store(dst_ptr + dst_row * D + cols, value.to(dst_ptr.dtype.element_ty), mask=cmask)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _unpermute_scale_bwd_kernel(g_y_ptr, y_sorted_ptr, order_ptr, n_ptr, gate_ptr, g_y_sorted_ptr, g_gate_ptr, T,
+@triton.jit
+def _unpermute_scale_bwd_kernel(g_y_ptr, y_sorted_ptr, order_ptr, n_ptr, gate_ptr, g_y_sorted_ptr, g_gate_ptr,
                                 D: tl.constexpr, BLOCK_D: tl.constexpr):
     """g_y_sorted[i] = g_y[t] * gate[t] and g_gate[t] = g_y[t] . y_sorted[i] for sorted row i < n; zeros past n.
     One program per row: the dot runs over the whole row, BLOCK_D columns at a time."""
@@ -73,20 +80,20 @@ def _unpermute_scale_bwd_kernel(g_y_ptr, y_sorted_ptr, order_ptr, n_ptr, gate_pt
     tl.store(g_gate_ptr + t, tl.sum(dot, axis=0))
 
 
-@triton.jit(do_not_specialize=["T"])
-def _swiglu_fwd_kernel(gu_ptr, n_ptr, act_ptr, T, F: tl.constexpr, BLOCK_F: tl.constexpr):
+@triton.jit
+def _swiglu_fwd_kernel(gu_ptr, n_ptr, act_ptr, F: tl.constexpr, BLOCK_F: tl.constexpr):
     """act[i, cols] = silu(g) * u of row i < n, rounded as torch rounds F.silu(g) * u in the weights' dtype."""
     i = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     m = (cols < F) & (i + 0 * cols < tl.load(n_ptr))
     g = tl.load(gu_ptr + i * 2 * F + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + i * 2 * F + F + cols, mask=m, other=0.0)
-    silu = (g / (1.0 + tl.exp(-g))).to(u.dtype)
+    silu = _silu(g).to(u.dtype)
     tl.store(act_ptr + i * F + cols, (silu.to(tl.float32) * u.to(tl.float32)).to(act_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _swiglu_bwd_kernel(g_act_ptr, gu_ptr, n_ptr, g_gu_ptr, T, F: tl.constexpr, BLOCK_F: tl.constexpr):
+@triton.jit
+def _swiglu_bwd_kernel(g_act_ptr, gu_ptr, n_ptr, g_gu_ptr, F: tl.constexpr, BLOCK_F: tl.constexpr):
     """[dg; du] of row i < n from g_act and the saved [g; u], in autograd's order of roundings: du = g_act silu(g)
     (silu rounded first), d_silu = g_act u rounded, dg = d_silu sigmoid(g) (1 + g (1 - sigmoid(g)))."""
     i = tl.program_id(0).to(tl.int64)
@@ -96,7 +103,7 @@ def _swiglu_bwd_kernel(g_act_ptr, gu_ptr, n_ptr, g_gu_ptr, T, F: tl.constexpr, B
     u = tl.load(gu_ptr + i * 2 * F + F + cols, mask=m, other=0.0)
     g_act = tl.load(g_act_ptr + i * F + cols, mask=m, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
-    silu = (g * sig).to(u.dtype).to(tl.float32)
+    silu = _silu(g).to(u.dtype).to(tl.float32)  # as the forward rounded it
     d_silu = (g_act * u.to(tl.float32)).to(u.dtype).to(tl.float32)
     dtype = g_gu_ptr.dtype.element_ty
     tl.store(g_gu_ptr + i * 2 * F + cols, (d_silu * sig * (1.0 + g * (1.0 - sig))).to(dtype), mask=m)
@@ -114,7 +121,7 @@ def _move_rows(src: torch.Tensor, order: torch.Tensor, n: torch.Tensor, dst: tor
     t, d = src.shape
     block, programs = _row_blocks(d)
     if t:
-        _move_rows_kernel[(t, programs)](src, order, n, scale if scale is not None else src, dst, t, D=d,
+        _move_rows_kernel[(t, programs)](src, order, n, scale if scale is not None else src, dst, D=d,
                                          SCATTER=scatter, HAS_SCALE=scale is not None, BLOCK_D=block)
     return dst
 
@@ -148,7 +155,7 @@ class _UnpermuteScale(torch.autograd.Function):
         t, d = y_sorted.shape
         g_y_sorted, g_gate = torch.empty_like(y_sorted), torch.empty_like(gate)
         if t:
-            _unpermute_scale_bwd_kernel[(t,)](g_y, y_sorted, order, n, gate, g_y_sorted, g_gate, t, D=d,
+            _unpermute_scale_bwd_kernel[(t,)](g_y, y_sorted, order, n, gate, g_y_sorted, g_gate, D=d,
                                               BLOCK_D=_row_blocks(d)[0])
         return g_y_sorted, g_gate, None, None
 
@@ -160,7 +167,7 @@ class _SwiGLU(torch.autograd.Function):
         act = gu.new_empty((t, f))
         block, programs = _row_blocks(f)
         if t:
-            _swiglu_fwd_kernel[(t, programs)](gu, n, act, t, F=f, BLOCK_F=block)
+            _swiglu_fwd_kernel[(t, programs)](gu, n, act, F=f, BLOCK_F=block)
         ctx.save_for_backward(gu, n)
         return act
 
@@ -171,7 +178,7 @@ class _SwiGLU(torch.autograd.Function):
         g_gu = torch.empty_like(gu)
         block, programs = _row_blocks(f)
         if t:
-            _swiglu_bwd_kernel[(t, programs)](g_act.contiguous(), gu, n, g_gu, t, F=f, BLOCK_F=block)
+            _swiglu_bwd_kernel[(t, programs)](g_act.contiguous(), gu, n, g_gu, F=f, BLOCK_F=block)
         return g_gu, None
 
 

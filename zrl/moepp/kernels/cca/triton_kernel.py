@@ -101,6 +101,20 @@ def _norm_backward(ga, gb, gr, a, b, r, norm, inv, scale, eps):
     return s * (ga - proj * a), s * (gb - proj * b), s * (gr - proj * r)
 
 
+@triton.jit
+def _key_head(conv_ptr, q_ptr, k_ptr, rows, ok, j, T, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
+              HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr, REST_P: tl.constexpr):
+    """KV head j's input k and its y = conv + the mean of its query heads' residuals, (a, b, rest) tiles each."""
+    G: tl.constexpr = HQ // HK
+    ka, kb, kr = _load_head(k_ptr, rows * (HK * D) + j * D, ok, HALF, HALF_P, REST, REST_P)
+    sa, sb, sr = tl.zeros_like(ka), tl.zeros_like(kb), tl.zeros_like(kr)
+    for g in tl.static_range(G):
+        qa, qb, qr = _load_head(q_ptr, rows * (HQ * D) + (j * G + g) * D, ok, HALF, HALF_P, REST, REST_P)
+        sa, sb, sr = sa + qa, sb + qb, sr + qr
+    ca, cb, cr = _load_head(conv_ptr, ((HQ + j) * T + rows) * D, ok, HALF, HALF_P, REST, REST_P)
+    return ka, kb, kr, ca + (sa / G + ka) * 0.5, cb + (sb / G + kb) * 0.5, cr + (sr / G + kr) * 0.5
+
+
 @triton.jit(do_not_specialize=["T"])
 def _fwd_kernel(conv_ptr, q_ptr, k_ptr, temp_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, T, scale, eps,
                 HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
@@ -110,14 +124,8 @@ def _fwd_kernel(conv_ptr, q_ptr, k_ptr, temp_ptr, cos_ptr, sin_ptr, q_out_ptr, k
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = rows < T
     cos, sin = _rope_tables(cos_ptr, sin_ptr, rows, ok, HALF, HALF_P)
-    ka, kb, kr = _load_head(k_ptr, rows * (HK * D) + j * D, ok, HALF, HALF_P, REST, REST_P)
-    sa, sb, sr = tl.zeros_like(ka), tl.zeros_like(kb), tl.zeros_like(kr)
-    for g in tl.static_range(G):
-        qa, qb, qr = _load_head(q_ptr, rows * (HQ * D) + (j * G + g) * D, ok, HALF, HALF_P, REST, REST_P)
-        sa, sb, sr = sa + qa, sb + qb, sr + qr
-    # the key head: conv + the mean of its query heads' residuals
-    ca, cb, cr = _load_head(conv_ptr, ((HQ + j) * T + rows) * D, ok, HALF, HALF_P, REST, REST_P)
-    ya, yb, yr = ca + (sa / G + ka) * 0.5, cb + (sb / G + kb) * 0.5, cr + (sr / G + kr) * 0.5
+    ka, kb, kr, ya, yb, yr = _key_head(conv_ptr, q_ptr, k_ptr, rows, ok, j, T, HQ, HK, D, HALF, HALF_P, REST,
+                                       REST_P)
     _, inv = _inv_norm(ya, yb, yr, eps)
     s = (scale * inv * tl.load(temp_ptr + j))[:, None]
     ya, yb, yr = ya * s, yb * s, yr * s
@@ -146,13 +154,8 @@ def _bwd_kernel(conv_ptr, q_ptr, k_ptr, temp_ptr, cos_ptr, sin_ptr, g_q_out_ptr,
     ok = rows < T
     cos, sin = _rope_tables(cos_ptr, sin_ptr, rows, ok, HALF, HALF_P)
     k_base = rows * (HK * D) + j * D
-    ka, kb, kr = _load_head(k_ptr, k_base, ok, HALF, HALF_P, REST, REST_P)
-    sa, sb, sr = tl.zeros_like(ka), tl.zeros_like(kb), tl.zeros_like(kr)
-    for g in tl.static_range(G):
-        qa, qb, qr = _load_head(q_ptr, rows * (HQ * D) + (j * G + g) * D, ok, HALF, HALF_P, REST, REST_P)
-        sa, sb, sr = sa + qa, sb + qb, sr + qr
-    ca, cb, cr = _load_head(conv_ptr, ((HQ + j) * T + rows) * D, ok, HALF, HALF_P, REST, REST_P)
-    ya, yb, yr = ca + (sa / G + ka) * 0.5, cb + (sb / G + kb) * 0.5, cr + (sr / G + kr) * 0.5
+    ka, kb, kr, ya, yb, yr = _key_head(conv_ptr, q_ptr, k_ptr, rows, ok, j, T, HQ, HK, D, HALF, HALF_P, REST,
+                                       REST_P)
     norm, inv = _inv_norm(ya, yb, yr, eps)
     ga, gb, gr = _load_head(g_k_out_ptr, k_base, ok, HALF, HALF_P, REST, REST_P)
     ga, gb = ga * cos + gb * sin, gb * cos - ga * sin  # RoPE^T
