@@ -203,6 +203,13 @@ def goals(s: dict, kernel_tokens: tuple[int, int]) -> list[tuple[str, str, str, 
             mfu_goal_row(s, f"MFU at {PROJECTED_LAYERS} layers, projected"
                          + (f" from {p['from_layers'][0]} and {p['from_layers'][1]} ({p['microbatches']} microbatches "
                             "per step, the recipe's)" if p else ""), p, MFU_GOAL)]
+    for run in s["trainer"].values():  # the same step with auto's choices overridden: the candidates' worth
+        c = run.get("summary")
+        if c and c["overrides"] and first and c["layers"] == first["layers"]:
+            choices = ", ".join(f"{op} {choice}" for op, choice in c["overrides"].items())
+            rows.append(mfu_goal_row(s, f"MFU at {c['layers']} layers, measured, with {choices} (step "
+                                     f"{c['step_s']:.3f} s against auto's {first['step_s']:.3f} s)", c,
+                                     MFU_GOAL_MEASURED))
     head = AUTO_ON_CUDA["lm_logprobs"]  # what the trainer runs; its fp32-level accuracy costs ~4x a bf16 head
     for mode in ("fwd", "fwd+bwd"):
         r = ratio("lm_logprobs", "transformers", head, mode, small)
@@ -213,11 +220,15 @@ def goals(s: dict, kernel_tokens: tuple[int, int]) -> list[tuple[str, str, str, 
                  _num(r, ".2f") + "x", f"<= {FUSED_HEAD_GOAL}x",
                  _verdict(None if math.isnan(r) else r <= FUSED_HEAD_GOAL)))
     for tokens in (small, large):
-        shares = {impl: kernel_row(s, tokens, "experts", impl, "fwd") for impl in ("triton", "grouped_mm")}
+        shares = {impl: kernel_row(s, tokens, "experts", impl, "fwd")
+                  for impl in ("triton", "grouped_mm", "grouped_mm fused glue")}
         text = ", ".join(f"{impl} {_pct(r['share_gemm'] if r else math.nan)}" for impl, r in shares.items())
         best = max((r["share_gemm"] for r in shares.values() if r), default=math.nan)
         rows.append((f"experts fwd share of the dense GEMM at {tokens}", text, f">= {GEMM_GOAL:.0%}",
                      _verdict(None if math.isnan(best) else best >= GEMM_GOAL)))
+    r = ratio("experts", "grouped_mm", "grouped_mm fused glue", "fwd+bwd", large)
+    rows.append((f"experts fwd+bwd at {large}: grouped_mm ms / with the fused glue ms (FUSED_GLUE on if > 1x)",
+                 _num(r, ".2f") + "x", "> 1x", _verdict(None if math.isnan(r) else r > 1.0)))
     for impl in ("triton", "library"):
         r = ratio("cca", "reference", impl, "fwd+bwd", small)
         rows.append((f"cca fwd+bwd at {small}: reference ms / {impl} ms", _num(r, ".2f") + "x",
