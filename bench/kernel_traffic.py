@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from moepp_kernels_work import FULL  # noqa: E402
 from roofline import ROOFLINE  # noqa: E402
 from zrl.modeling.kernels import use_backend  # noqa: E402
-from zrl.modeling.kernels.gemm_count import GemmCounter  # noqa: E402
+from zrl.modeling.kernels import gemm_count  # noqa: E402
 
 CCA_SHAPE = dict(hq=FULL.Hq, hk=FULL.Hk, d=FULL.d, k0=FULL.k0, k1=FULL.k1, rotary=FULL.rotary)
 EXPERTS_SHAPE = dict(d=FULL.D, f=FULL.F, e=FULL.E)
@@ -54,7 +54,7 @@ NO_TRAFFIC = {aten.detach, aten._unsafe_view, aten.empty_like, aten.new_empty, a
               aten.new_empty_strided, aten.lift_fresh}  # views in all but name, and allocations
 WRITE_ONLY = {aten.zeros, aten.new_zeros, aten.zeros_like, aten.ones_like, aten.full, aten.new_full,
               aten.fill_, aten.zero_, aten.arange}  # they write their output and read nothing
-GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
+GEMMS = {packet.__name__ for packet in gemm_count.GEMMS}  # the launches that are not glue
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -181,7 +181,7 @@ def count(op: str, path: str, tokens: int, shape: dict | None = None, seed: int 
     gen = torch.Generator().manual_seed(seed)
     build = _cca if op == "cca" else _experts
     run, leaves = build(path, tokens, shape or (CCA_SHAPE if op == "cca" else EXPERTS_SHAPE), gen)
-    traffic, gemms = Traffic(), GemmCounter()
+    traffic, gemms = Traffic(), gemm_count.GemmCounter()
     with counted_launches(triton_kernel, traffic), counted_launches(glue, traffic), gemms, traffic:
         out = run()
         outs = out if isinstance(out, tuple) else (out,)

@@ -57,7 +57,8 @@ def roofline(layers: int = 4, tokens: int = 65536, doc_len: int = 1024, checkpoi
     bound = sum(row["bound_s"] * (1 if row["op"].name in OPTIMIZER_OPS else microbatches) for row in rows)
     step = bound / r["efficiency"]
     return dict(rows=rows, rates=r, layers=layers, tokens=sum(docs), docs=len(docs), routed=routed,
-                microbatches=microbatches, model_flops=model, bound_s=bound, step_s=step, mfu=model / step / (r["gemm_tflops"] * 1e12),
+                microbatches=microbatches, model_flops=model, bound_s=bound, step_s=step,
+                mfu=model / step / (r["gemm_tflops"] * 1e12),
                 mfu_bound=model / bound / (r["gemm_tflops"] * 1e12), checkpointing=checkpointing,
                 lm_head_dots=lm_head_dots)
 

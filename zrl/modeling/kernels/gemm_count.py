@@ -14,8 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-# packet -> (index of A, index of B) in the call's arguments
-_GEMMS = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.bmm: (0, 1), aten.baddbmm: (1, 2), aten._scaled_mm: (0, 1),
+# the GEMM ops: packet -> (index of A, index of B) in the call's arguments
+GEMMS = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.bmm: (0, 1), aten.baddbmm: (1, 2), aten._scaled_mm: (0, 1),
           aten._grouped_mm: (0, 1)}
 
 
@@ -41,8 +41,8 @@ class GemmCounter(TorchDispatchMode):
         packet = func.overloadpacket
         if packet is aten.addmm_:
             packet = aten.addmm
-        if packet in _GEMMS:
-            ia, ib = _GEMMS[packet]
+        if packet in GEMMS:
+            ia, ib = GEMMS[packet]
             a, b = args[ia], args[ib]
             batch = a.shape[0] if a.dim() == 3 else 1
             m, k = a.shape[-2], a.shape[-1]

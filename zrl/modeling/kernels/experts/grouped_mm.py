@@ -84,14 +84,15 @@ def moe_experts_grouped_mm(x: torch.Tensor, expert_ids: torch.Tensor, gate: torc
     if fused_glue:
         from zrl.modeling.kernels.experts import glue  # lazy: Triton picks interpreter/compiler at import
 
-        x_sorted = glue.permute(x, order, offs[-1:], gate_up_proj.dtype)  # [T, D], zero rows past offs[-1]
+        n = offs[-1:]  # [1]: rows past it are the skip class
+        x_sorted = glue.permute(x, order, n, gate_up_proj.dtype)  # [T, D], zero rows past n
     else:
         routed = (torch.arange(x.shape[0], device=x.device) < offs[-1])[:, None]  # [T, 1], sorted rows
         x_sorted = torch.where(routed, x.index_select(0, order).to(gate_up_proj.dtype), 0)  # [T, D]
     gu = torch._grouped_mm(x_sorted, gate_up_proj.transpose(1, 2), offs=offs)  # [T, 2F]: [g; u]
     if fused_glue:
-        y_sorted = torch._grouped_mm(glue.swiglu(gu, offs[-1:]), down_proj.transpose(1, 2), offs=offs)  # [T, D]
-        return glue.unpermute_scale(y_sorted, gate, order, offs[-1:])
+        y_sorted = torch._grouped_mm(glue.swiglu(gu, n), down_proj.transpose(1, 2), offs=offs)  # [T, D]
+        return glue.unpermute_scale(y_sorted, gate, order, n)
     g, u = gu.chunk(2, dim=-1)  # [T, F] each
     y_sorted = torch._grouped_mm(F.silu(g) * u, down_proj.transpose(1, 2), offs=offs)  # [T, D]
     # bf16 * fp32 promotes to fp32 (the reference's y.float() * gate, bitwise) but leaves autograd
