@@ -10,8 +10,9 @@ its JSON twin:
              --microbatches microbatches (default 2) of ~115k tokens (~1k-token documents, token budget
              131,072: the recipe's trainer_microbatch_tokens), gradients accumulated, then one Muon + AdamW
              step. 4 layers with full activation checkpointing, then with selective checkpointing
-             (resources.activation_checkpointing_selective), then full with the CCA's Triton path and the
-             experts' fused glue in place of auto's choices ("full+cca=triton+fused_glue"), 8 layers full:
+             (resources.activation_checkpointing_selective), then full with the CCA's Triton path, the
+             experts' fused glue and the norms' pipelined backward in place of auto's choices
+             ("full+cca=triton+fused_glue+pipelined_norm"), 8 layers full:
              tokens/s, MFU, optimizer
              share, peak memory, a torch.profiler top-20 table (self CUDA time) of one 4-layer step
   projection the 40-layer step of the recipe's 20 microbatches (RECIPE_MICROBATCHES), from the 4- and
@@ -113,8 +114,8 @@ from zrl.modeling.precision import fp32_without_tf32  # noqa: E402
 # runs took 83 s, a third (the CCA's Triton path in the whole step) adds ~35 s; a fit try at 40-44 layers takes
 # 70-90 s, so the fit gets one try in its share and another in what the earlier parts leave (44 layers
 # fitted on 2026-11-28). The 64k kernels took 86 s, before their profiles (PROFILED): their share is the larger.
-PLAN = (("env", "", 15), ("trainer", "4 full selective full+cca=triton+fused_glue", 150), ("trainer", "8 full", 50),
-        ("fit", "", 80), ("kernels", "16384", 70), ("kernels", "65536", 85), ("gpu_tests", "", 60))
+PLAN = (("env", "", 15), ("trainer", "4 full selective full+cca=triton+fused_glue+pipelined_norm", 150),
+        ("trainer", "8 full", 50), ("fit", "", 80), ("kernels", "16384", 70), ("kernels", "65536", 85), ("gpu_tests", "", 60))
 SMOKE_ARGS = {"16384": "64", "65536": "128"}  # --smoke: kernel token counts on the tiny shape
 SMOKE_SHAPE = Shape(D=32, E=4, F=16, Hq=4, Hk=2, d=8, R=16, V=64, rotary=4)
 # The kernel part's ops, most important first; above OPS_ALL_UP_TO tokens the experts come first (their

@@ -229,6 +229,9 @@ def goals(s: dict, kernel_tokens: tuple[int, int]) -> list[tuple[str, str, str, 
     r = ratio("experts", "grouped_mm", "grouped_mm fused glue", "fwd+bwd", large)
     rows.append((f"experts fwd+bwd at {large}: grouped_mm ms / with the fused glue ms (FUSED_GLUE on if > 1x)",
                  _num(r, ".2f") + "x", "> 1x", _verdict(None if math.isnan(r) else r > 1.0)))
+    r = ratio("residual_norm", "triton", "triton pipelined", "fwd+bwd", large)
+    rows.append((f"residual_norm fwd+bwd at {large}: triton ms / triton pipelined ms (BACKWARD_STAGES = "
+                 "PIPELINED_STAGES if > 1x)", _num(r, ".2f") + "x", "> 1x", _verdict(None if math.isnan(r) else r > 1.0)))
     for impl in ("triton", "library"):
         r = ratio("cca", "reference", impl, "fwd+bwd", small)
         rows.append((f"cca fwd+bwd at {small}: reference ms / {impl} ms", _num(r, ".2f") + "x",

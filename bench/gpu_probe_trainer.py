@@ -7,9 +7,10 @@ checkpointing; each step's row carries its tokens, routed tokens, phase times, p
 search (the probe's "fit" part, one process per try) reads it as its answer.
 
 A run's mode is its activation checkpointing ("full" or "selective"), optionally with kernel choices of
-`auto` overridden for that run: "full+cca=triton+fused_glue" runs full checkpointing with the CCA's Triton
-path where auto would run what AUTO_ON_CUDA names, and the experts' grouped_mm path with its fused glue,
-so that one probe weighs the candidates in the whole step.
+`auto` overridden for that run: "full+cca=triton+fused_glue+pipelined_norm" runs full checkpointing with
+the CCA's Triton path where auto would run what AUTO_ON_CUDA names, the experts' grouped_mm path with its
+fused glue and the residual norms' backward software-pipelined (SWITCHES), so that one probe weighs the
+candidates in the whole step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib
 import math
 import socket
 import tempfile
@@ -50,6 +52,14 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
 
 
+# Candidates a mode turns on by name ("+fused_glue"): (module, its setting, the setting's value when on).
+SWITCHES = {
+    "fused_glue": ("zrl.modeling.kernels.experts.grouped_mm", "FUSED_GLUE", lambda module: True),
+    "pipelined_norm": ("zrl.modeling.kernels.residual_norm.triton_kernel", "BACKWARD_STAGES",
+                       lambda module: module.PIPELINED_STAGES),
+}
+
+
 def parse_mode(mode: str) -> tuple[str, dict[str, str]]:
     """"full+cca=triton+fused_glue" -> ("full", {"cca": "triton", "fused_glue": "on"}); one-line errors for a
     mode the probe cannot run."""
@@ -61,32 +71,37 @@ def parse_mode(mode: str) -> tuple[str, dict[str, str]]:
     choices = {}
     for item in overrides:
         op, _, choice = item.partition("=")
-        if item == "fused_glue":
+        if item in SWITCHES:
             choices[item] = "on"
         elif op in AUTO_ON_CUDA and choice in CHOICES:
             choices[op] = choice
         else:
-            raise ValueError(f"trainer mode {mode!r}: {item!r} must be 'fused_glue' or op=choice with op one of "
-                             f"{', '.join(AUTO_ON_CUDA)} and choice one of {', '.join(CHOICES)}")
+            raise ValueError(f"trainer mode {mode!r}: {item!r} must be one of {', '.join(SWITCHES)} or op=choice "
+                             f"with op one of {', '.join(AUTO_ON_CUDA)} and choice one of {', '.join(CHOICES)}")
     return checkpointing, choices
 
 
 @contextlib.contextmanager
 def auto_choices(choices: dict[str, str]):
-    """AUTO_ON_CUDA with `choices` in place, and grouped_mm.FUSED_GLUE on with "fused_glue", while the block
-    runs (the run's worker lives in this process)."""
+    """AUTO_ON_CUDA with `choices` in place, and the SWITCHES that `choices` names on, while the block runs
+    (the run's worker lives in this process)."""
     from zrl.modeling.kernels import AUTO_ON_CUDA
-    from zrl.modeling.kernels.experts import grouped_mm
 
-    saved, saved_glue = dict(AUTO_ON_CUDA), grouped_mm.FUSED_GLUE
+    saved = dict(AUTO_ON_CUDA)
+    switched = []  # (module, setting, value before)
     AUTO_ON_CUDA.update({op: choice for op, choice in choices.items() if op in AUTO_ON_CUDA})
-    grouped_mm.FUSED_GLUE = saved_glue or "fused_glue" in choices
     try:
+        for name in choices.keys() & SWITCHES.keys():
+            module_name, setting, value = SWITCHES[name]
+            module = importlib.import_module(module_name)
+            switched.append((module, setting, getattr(module, setting)))
+            setattr(module, setting, value(module))
         yield
     finally:
         AUTO_ON_CUDA.clear()
         AUTO_ON_CUDA.update(saved)
-        grouped_mm.FUSED_GLUE = saved_glue
+        for module, setting, before in switched:
+            setattr(module, setting, before)
 
 
 def trainer_config(layers: int, smoke: bool):

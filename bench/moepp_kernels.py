@@ -282,6 +282,12 @@ def residual_norm_groups(ctx: Ctx, tokens: int) -> list[Group]:
     leaves = [branch, residual, *v.values()]
     impls = _backends(ctx, _op("residual_norm", "scaled_residual_add_rmsnorm"), lambda op: op(
         branch, residual, v["hs"], v["hb"], v["rs"], v["rb"], v["norm"], eps), leaves)
+    if "triton" in ctx.impls and ctx.device.type == "cuda":  # the backward's row loop software-pipelined
+        from zrl.modeling.kernels.residual_norm import triton_kernel
+
+        impls.append(Impl("triton pipelined", lambda: triton_kernel.scaled_residual_add_rmsnorm(
+            branch, residual, v["hs"], v["hb"], v["rs"], v["rb"], v["norm"], eps,
+            stages=triton_kernel.PIPELINED_STAGES), leaves))
     if "transformers" in ctx.impls and ctx.hf is not None:
         scaling = _load(ctx.hf.ZayaResidualScaling(s.D), {
             "hidden_states_scale": v["hs"], "hidden_states_bias": v["hb"], "residual_scale": v["rs"],

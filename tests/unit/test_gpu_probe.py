@@ -297,6 +297,8 @@ def test_summarise_and_goals_from_rows():
                  for impl, ms in (("reference", 8.0), ("library", 5.0))]
               + [{**kernel, "tokens": 64, "group": "experts", "impl": impl, "mode": "fwd+bwd", "ms": ms,
                   "share_gemm": 0.5} for impl, ms in (("grouped_mm", 3.0), ("grouped_mm fused glue", 2.4))]
+              + [{**kernel, "tokens": 64, "group": "residual_norm", "impl": impl, "mode": "fwd+bwd", "ms": ms,
+                  "share_gemm": 0.0} for impl, ms in (("triton", 3.0), ("triton pipelined", 4.0))]
               + [{**kernel, "group": "experts", "impl": "grouped_mm", "ms": 1.0, "share_gemm": 0.75},
                  {"kind": "error", "where": "cca triton fwd", "error": "OutOfMemoryError: x"},
                  dict(kind="kernel_profile", tokens=16, group="experts", impl="grouped_mm", mode="fwd+bwd", ms=1.5,
@@ -329,6 +331,7 @@ def test_summarise_and_goals_from_rows():
     assert rows["MFU at 4 layers, measured, with cca triton, fused_glue on"][1].startswith(
         f"{100 * 4e15 / 1.6 / 989e12:.1f}% of H200 SXM")
     assert rows["experts fwd+bwd at 64: grouped_mm ms / with the fused glue ms"][1:] == ("1.25x", "> 1x", "met")
+    assert rows["residual_norm fwd+bwd at 64: triton ms / triton pipelined ms"][1:] == ("0.75x", "> 1x", "NOT met")
     # the LM head that CUDA runs ("library"), against transformers' bf16 head
     assert rows["LM head fwd at 16: transformers"][1:] == ("1.50x", ">= 0.25x", "met")
     # the head fused with the loss (the trainer's RL path) against the bf16 head, fwd+bwd: 5 / 4 ms
@@ -375,21 +378,27 @@ def test_goals_without_a_datasheet_peak_give_no_verdict():
 def test_trainer_modes_and_their_kernel_choices():
     from zrl.modeling.kernels import AUTO_ON_CUDA
     from zrl.modeling.kernels.experts import grouped_mm
+    from zrl.modeling.kernels.residual_norm import triton_kernel as norm
 
     assert trainer.parse_mode("selective") == ("selective", {})
     assert trainer.parse_mode("full+cca=triton+experts=reference") == ("full", {"cca": "triton",
                                                                                "experts": "reference"})
-    assert trainer.parse_mode("full+fused_glue") == ("full", {"fused_glue": "on"})
+    assert trainer.parse_mode("full+fused_glue+pipelined_norm") == ("full", {"fused_glue": "on",
+                                                                            "pipelined_norm": "on"})
     for mode, message in (("none", "checkpointing must be 'full' or 'selective'"),
-                          ("full+cca", "'cca' must be .fused_glue. or op=choice"),
+                          ("full+cca", "'cca' must be one of fused_glue, pipelined_norm or op=choice"),
                           ("full+conv=triton", "'conv=triton' must be"), ("full+cca=fast", "'cca=fast' must be")):
         with pytest.raises(ValueError, match=message):
             trainer.parse_mode(mode)
     before = dict(AUTO_ON_CUDA)
-    assert not grouped_mm.FUSED_GLUE
-    with trainer.auto_choices({"cca": "triton", "fused_glue": "on"}):
+    assert not grouped_mm.FUSED_GLUE and norm.BACKWARD_STAGES == 1
+    with trainer.auto_choices({"cca": "triton", "fused_glue": "on", "pipelined_norm": "on"}):
         assert AUTO_ON_CUDA == {**before, "cca": "triton"} and grouped_mm.FUSED_GLUE
-    assert AUTO_ON_CUDA == before and not grouped_mm.FUSED_GLUE
+        assert norm.BACKWARD_STAGES == norm.PIPELINED_STAGES > 1
+    assert AUTO_ON_CUDA == before and not grouped_mm.FUSED_GLUE and norm.BACKWARD_STAGES == 1
+    with pytest.raises(RuntimeError, match="inside"), trainer.auto_choices({"pipelined_norm": "on"}):
+        raise RuntimeError("inside")  # a run that fails leaves the settings as they were
+    assert norm.BACKWARD_STAGES == 1
     # a run with a kernel overridden is not a base of the 40-layer projection
     runs = {"4 full": dict(summary=dict(checkpointing="full", fit=False, overrides={}, layers=4)),
             "4 full+cca=triton": dict(summary=dict(checkpointing="full", fit=False, overrides={"cca": "triton"},
@@ -410,7 +419,7 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
     (md,) = tmp_path.glob("smoke-*.md")
     twin = json.loads(md.with_suffix(".json").read_text())
     assert [(p["name"], p["arg"], p["status"]) for p in twin["parts"]] == [
-        ("env", "", "ok"), ("trainer", "4 full selective full+cca=triton+fused_glue", "ok"), ("trainer", "8 full", "ok"),
+        ("env", "", "ok"), ("trainer", "4 full selective full+cca=triton+fused_glue+pipelined_norm", "ok"), ("trainer", "8 full", "ok"),
         ("fit", "9", "ok"),
         ("fit", "search", "ok"), ("kernels", "16384", "ok"), ("kernels", "65536", "ok"), ("gpu_tests", "", "ok")]
     s = twin["summary"]
@@ -433,15 +442,18 @@ def test_smoke_run_writes_a_complete_report(tmp_path):
         (128, "cca", "reference", "fwd+bwd"), (128, "cca", "library", "fwd+bwd")]
     for p in s["kernel_profiles"]:
         assert p["timed"] == "self CPU" and len(p["top"]) == 12 and p["busy_s"] >= p["top"][0]["self_ms"] / 1e3 > 0
-    assert set(s["trainer"]) == {"4 full", "4 selective", "4 full+cca=triton+fused_glue", "8 full", "fit 9"}
+    candidates = "4 full+cca=triton+fused_glue+pipelined_norm"
+    assert set(s["trainer"]) == {"4 full", "4 selective", candidates, "8 full", "fit 9"}
     assert len(s["trainer"]["4 full"]["profile"]["top"]) == 20 and "profile" not in s["trainer"]["8 full"]
     for name, run in s["trainer"].items():
         assert len(run["steps"]) == 2 and run["summary"]["tokens_per_s"] > 0
         assert run["summary"]["microbatches"] == (1 if name == "fit 9" else 2)
         assert run["trainer_setup"]["checkpointing"] == ("selective" if name == "4 selective" else "full")
-        overridden = name == "4 full+cca=triton+fused_glue"  # on CPU auto runs the references whatever it is told
-        assert run["trainer_setup"]["overrides"] == ({"cca": "triton", "fused_glue": "on"} if overridden else {})
-        assert run["trainer_setup"]["kernels"] == ("auto, cca triton, fused_glue on" if overridden else "auto")
+        overridden = name == candidates  # on CPU auto runs the references whatever it is told
+        assert run["trainer_setup"]["overrides"] == (
+            {"cca": "triton", "fused_glue": "on", "pipelined_norm": "on"} if overridden else {})
+        assert run["trainer_setup"]["kernels"] == (
+            "auto, cca triton, fused_glue on, pipelined_norm on" if overridden else "auto")
         for step in run["steps"]:
             assert step["tokens"] == step["input_tokens"]  # the probe's FLOP count sees the tokens the trainer saw
             assert 0 < min(step["routed"]) and max(step["routed"]) <= step["tokens"]

@@ -16,7 +16,8 @@ specialisation key, and goes to
 `dump_ptxas_log` knob; n_regs/n_spills of a CompiledKernel are only filled when a GPU loads the
 binary), shared memory from the metadata, tensor-core use from the PTX: `wgmma.mma_async` (Hopper's
 warpgroup MMA) and `mma.sync` (the warp-level MMA of sm_80, which Triton emits on sm_90 for tiles too
-small for wgmma) instructions, counted separately; `fma.rn.f32` counts the fp32 FMA-unit products.
+small for wgmma) instructions, counted separately; `fma.rn.f32` counts the fp32 FMA-unit products and
+`cp.async` the loads staged through shared memory (a software-pipelined loop's).
 tl.dot is held to Triton 3.6's minimum sizes (K >= 16), stricter than the installed 3.9's for fp32.
 
 Compiles run in a pool of spawned worker processes (one per CPU, at most 8; each compile is
@@ -62,6 +63,7 @@ _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (
 _WGMMA = re.compile(r"^\s*(?:@!?%\w+\s+)?wgmma\.mma_async\b", re.MULTILINE)
 _MMA_SYNC = re.compile(r"^\s*(?:@!?%\w+\s+)?mma\.sync\b", re.MULTILINE)
 _FMA_F32 = re.compile(r"^\s*(?:@!?%\w+\s+)?fma\.rn\.f32\b", re.MULTILINE)
+_CP_ASYNC = re.compile(r"^\s*(?:@!?%\w+\s+)?cp\.async\.c[ag]\b", re.MULTILINE)
 
 
 @dataclasses.dataclass
@@ -89,6 +91,7 @@ class Result:
     wgmma: int = 0  # wgmma.mma_async instructions in the PTX
     mma: int = 0  # mma.sync instructions in the PTX
     fma: int = 0  # fma.rn.f32 instructions in the PTX
+    cp_async: int = 0  # cp.async instructions in the PTX: loads staged through shared memory (pipelining)
     seconds: float = 0.0
 
     @property
@@ -231,7 +234,8 @@ def compile_specialisation(module: str, name: str, signature: dict, constexprs: 
     text = log.getvalue()
     logger.debug("ptxas log of %s:\n%s", result.kernel, text)
     ptx = compiled.asm["ptx"]
-    result.wgmma, result.mma, result.fma = (len(p.findall(ptx)) for p in (_WGMMA, _MMA_SYNC, _FMA_F32))
+    result.wgmma, result.mma, result.fma, result.cp_async = (
+        len(p.findall(ptx)) for p in (_WGMMA, _MMA_SYNC, _FMA_F32, _CP_ASYNC))
     used, spill = _PTXAS_USED.search(text), _PTXAS_SPILL.search(text)
     if used is None or spill is None:
         result.error = f"compiled, but no ptxas -v statistics in its log: {text[-400:]!r}"
@@ -319,13 +323,13 @@ def _specialisations_of(driver: Driver, seen: set[str]) -> list[Specialisation |
 
 def format_table(results: list[Result]) -> str:
     lines = ["| kernel | launch (driver, pointer dtypes, switches) | warps/stages | regs | spill st/ld (B) | "
-             "smem (KiB) | wgmma | mma.sync | fma.f32 | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "smem (KiB) | wgmma | mma.sync | fma.f32 | cp.async | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         status = "ok" if r.ok else "FAIL: " + r.error.splitlines()[0][:120]
         lines.append(f"| {r.kernel} | {r.variant} | {r.num_warps}/{r.num_stages} | {r.n_regs} | "
                      f"{r.spill_stores}/{r.spill_loads} | {r.shared / 1024:.1f} | {r.wgmma} | {r.mma} | "
-                     f"{r.fma} | {status} |")
+                     f"{r.fma} | {r.cp_async} | {status} |")
     return "\n".join(lines)
 
 

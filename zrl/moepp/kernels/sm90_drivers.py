@@ -196,6 +196,8 @@ def _production() -> list[Driver]:
         prod("router", "bf16", lambda: drive_router(bf16), trainer=True),
         prod("router", "fp32", lambda: drive_router(fp32)),
         prod("residual_norm", "bf16 branch+params", lambda: drive_residual_norm(bf16), trainer=True),
+        prod("residual_norm", "bf16 branch+params, pipelined", lambda: drive_residual_norm(
+            bf16, stages=_residual_norm_pipelined()), trainer=True),
         prod("residual_norm", "fp32", lambda: drive_residual_norm(fp32)),
         prod("cca", "bf16 q/k", lambda: drive_cca(bf16), trainer=True),
         prod("cca", "fp32 q/k", lambda: drive_cca(fp32)),
@@ -262,14 +264,20 @@ def _router_cases() -> list[tuple[str, dict]]:
     return cases
 
 
+def _residual_norm_pipelined() -> int:
+    from zrl.modeling.kernels.residual_norm.triton_kernel import PIPELINED_STAGES
+
+    return PIPELINED_STAGES
+
+
 def _residual_norm_cases() -> list[tuple[str, Callable[[], None]]]:
     both = ("add_norm", "add")  # the tests' `norm` parameter: with and without the norm weight
     cases = []
-    for t in (1, 3, 37):  # test_parity_forward_backward: default tiles, then block_t 4
+    for t in (1, 3, 37):  # test_parity_forward_backward: default tiles, then block_t 4 pipelined
         for d in (16, 48, 64, 100):
             cases.append((f"test T={t} D={d}", functools.partial(drive_residual_norm, fp32, t, d, modes=both)))
             cases.append((f"test T={t} D={d} block_t=4", functools.partial(
-                drive_residual_norm, fp32, t, d, modes=both, block_t=4, num_partials=3)))
+                drive_residual_norm, fp32, t, d, modes=both, block_t=4, num_partials=3, stages=2)))
     add_norm = functools.partial(drive_residual_norm, modes=("add_norm",))
     cases += [
         ("test_fp16_branch", functools.partial(drive_residual_norm, fp16, 37, 100, param_dtype=fp32, modes=both,
@@ -281,8 +289,8 @@ def _residual_norm_cases() -> list[tuple[str, Callable[[], None]]]:
         ("test_constant_rows", functools.partial(add_norm, fp32, 5, 100)),
         ("test_scaling_hand_computed", functools.partial(add_norm, fp32, 1, 2, single_outputs=True)),
         ("test_eps_and_magnitudes", functools.partial(add_norm, fp32, 12, 64, block_t=4, num_partials=2)),
-        ("test_bf16_gpu D=100", functools.partial(add_norm, bf16, 517, 100)),
-        ("test_bf16_gpu D=2048", functools.partial(add_norm, bf16, 517, 2048)),
+        *((f"test_bf16_gpu D={d} stages={n}", functools.partial(add_norm, bf16, 517, d, stages=n))
+          for d in (100, 2048) for n in (1, 3)),
     ]
     cases += [(f"test_rms_norm {t}x{d} {str(dt)[6:]}", functools.partial(drive_rms_norm, dt, t, d))
               for t, d, dt in [(1, 16, fp32), (37, 100, fp32), (10, 48, fp32), (9, 64, fp16)]]

@@ -95,3 +95,14 @@ def test_production_spills_are_the_measured_ones(results):
         if r["production"] and r["n_spills"] > bound:
             unexpected.append(f"{r['kernel']} ({r['variant']}): {r['n_spills']} B spilled, expected <= {bound}")
     assert not unexpected, "\n".join(unexpected)
+
+
+@pytest.mark.slow
+def test_pipelined_norm_backward_stages_its_loads_in_shared_memory(results):
+    """residual_norm's backward with STAGES > 1 (triton_kernel.PIPELINED_STAGES) is software-pipelined:
+    its row loads are cp.async copies into shared memory; with STAGES = 1 the loop loads to registers."""
+    backward = [r for r in results if r["kernel"] == "residual_norm._backward_kernel" and r["ok"]]
+    pipelined = [r for r in backward if "STAGES=1" not in r["variant"]]
+    assert pipelined and any(r["production"] for r in pipelined), sorted(r["variant"] for r in backward)
+    assert all(r["cp_async"] > 0 for r in pipelined), [(r["variant"], r["cp_async"]) for r in pipelined]
+    assert all(r["cp_async"] == 0 for r in backward if "STAGES=1" in r["variant"])

@@ -16,6 +16,10 @@ The [D] parameter gradients are row sums. A fixed number of programs P (a few pe
 over the row blocks, accumulates its partial sums in fp32 registers and writes one row of a
 [5, P, D] buffer; torch sums over P afterwards (the usual fused-layernorm split: no atomics, so the
 result is deterministic, and P is small enough that the extra reduction costs ~P/T of the main pass).
+With `stages` > 1 the row loop is software-pipelined (Triton's `tl.range(num_stages=...)`): the loads
+of the next stages - 1 row blocks go to shared memory (cp.async) while one block computes. Registers
+hold one resident program per SM at D = 2048 (~165 per thread x 256 threads), so without it one row of
+~28 KB is in flight per SM, which caps the pass near a quarter of HBM's bandwidth.
 
 T, the row count, changes every step: both kernels take it with `do_not_specialize`, so a new count
 never compiles a new variant (Triton would specialise on T % 16 == 0 and T == 1). T only masks rows and
@@ -42,6 +46,13 @@ _FORWARD_TILE = 4096
 _BACKWARD_TILE = 2048
 _PROGRAMS_PER_SM = 4  # backward programs per SM: enough warps in flight to hide memory latency
 _PARTIALS = 5  # rows of the partial-sum buffer: hs_scale, hs_bias, res_scale, res_bias, norm_weight
+# Row blocks the backward's loop keeps in flight (see the docstring). 1: no pipelining, what the H200
+# timed (bf16 scaling + norm at 64k tokens: backward ~2.4 ms, ~1.1 TB/s; forward 3.3 TB/s). PIPELINED_STAGES
+# is the candidate: 3 blocks in flight, 64 KiB of shared memory per program at D = 2048 (sm_90a, Triton
+# 3.6 and 3.9: 171 registers, no spills). The GPU probe times both ("triton pipelined" rows) and runs the
+# trainer with it ("+pipelined_norm"); BACKWARD_STAGES takes it when it wins.
+BACKWARD_STAGES = 1
+PIPELINED_STAGES = 3
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -74,7 +85,7 @@ def _forward_kernel(B, R, HS, HB, RS, RB, W, X, Y, RSTD, T, D, eps,
 @triton.jit(do_not_specialize=["T"])
 def _backward_kernel(B, R, HS, HB, RS, RB, W, RSTD, GX, GY, GB, GR, PARTIAL, T, D,
                      HAS_SCALING: tl.constexpr, HAS_NORM: tl.constexpr, HAS_GX: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
@@ -91,7 +102,7 @@ def _backward_kernel(B, R, HS, HB, RS, RB, W, RSTD, GX, GY, GB, GR, PARTIAL, T, 
     acc_rs = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc_rb = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc_w = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for start in range(pid * BLOCK_T, T, programs * BLOCK_T):
+    for start in tl.range(pid * BLOCK_T, T, programs * BLOCK_T, num_stages=STAGES):
         rows = start + tl.arange(0, BLOCK_T)  # [BLOCK_T]
         row_ok = rows < T
         mask = row_ok[:, None] & col_ok[None, :]
@@ -158,7 +169,7 @@ class _ResidualNorm(torch.autograd.Function):
     """Modes: scaling + norm (outputs x, normed), scaling alone (x), norm alone (normed)."""
 
     @staticmethod
-    def forward(ctx, branch, residual, hs, hb, rs, rb, weight, eps, block_t, num_partials):
+    def forward(ctx, branch, residual, hs, hb, rs, rb, weight, eps, block_t, num_partials, stages):
         scaling, norm = residual is not None, weight is not None
         dim = branch.shape[-1]
         b = branch.reshape(-1, dim).contiguous()  # [T, D]
@@ -178,6 +189,7 @@ class _ResidualNorm(torch.autograd.Function):
         ctx.shape, ctx.branch_dtype = branch.shape, branch.dtype
         ctx.residual_dtype = residual.dtype if scaling else None
         ctx.block_t, ctx.num_partials = block_t, num_partials
+        ctx.stages = BACKWARD_STAGES if stages is None else stages
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: the kernel skips it
         outputs = ([x.view(branch.shape)] if scaling else []) + ([y.view(branch.shape)] if norm else [])
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
@@ -189,7 +201,7 @@ class _ResidualNorm(torch.autograd.Function):
         scaling, norm = r is not None, weight is not None
         g_x = grads[0] if scaling else None
         g_y = grads[-1] if norm else None
-        none = (None,) * 10
+        none = (None,) * 11
         if g_x is None and g_y is None:
             return none
         rows, dim = b.shape
@@ -216,7 +228,7 @@ class _ResidualNorm(torch.autograd.Function):
                 # Twice the forward's warps for a tile: each thread keeps ten [BLOCK_D] vectors (5 parameters,
                 # 5 partial sums) besides the row tiles. At D = 2048 (block_t 1), 4 warps needed 255 registers
                 # and spilled 52 B in the bf16 scaling + norm case (sm_90a compile, sm90_check.py).
-                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_num_warps(2 * block_t * block_d))
+                BLOCK_T=block_t, BLOCK_D=block_d, STAGES=ctx.stages, num_warps=_num_warps(2 * block_t * block_d))
         if not rows:
             partial.zero_()  # no program ran
         if not has_norm_grad:
@@ -227,30 +239,33 @@ class _ResidualNorm(torch.autograd.Function):
 
         return (grad_b.view(ctx.shape), None if grad_r is None else grad_r.view(ctx.shape),
                 param_grad(0, hs), param_grad(1, hb), param_grad(2, rs), param_grad(3, rb),
-                param_grad(4, weight), None, None, None)
+                param_grad(4, weight), None, None, None, None)
 
 
 def scaled_residual_add_rmsnorm(
     branch: torch.Tensor, residual: torch.Tensor, hs_scale: torch.Tensor, hs_bias: torch.Tensor,
     res_scale: torch.Tensor, res_bias: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
-    *, block_t: int | None = None, num_partials: int | None = None,
+    *, block_t: int | None = None, num_partials: int | None = None, stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fused op (see the package's `scaled_residual_add_rmsnorm`). block_t: rows per program
     (power of two; default fills a tile of ~4096 elements forward, ~2048 backward); num_partials:
-    backward programs, i.e. rows of the partial-sum buffer (default a few per SM)."""
-    _check_num_partials(num_partials)
+    backward programs, i.e. rows of the partial-sum buffer (default a few per SM); stages: row blocks
+    the backward keeps in flight (default BACKWARD_STAGES)."""
+    _check_tuning(num_partials, stages)
     out = _ResidualNorm.apply(branch, residual, hs_scale, hs_bias, res_scale, res_bias, norm_weight, eps,
-                              block_t, num_partials)
+                              block_t, num_partials, stages)
     return (out[0], out[1]) if norm_weight is not None else (out, None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, block_t: int | None = None,
-             num_partials: int | None = None) -> torch.Tensor:
+             num_partials: int | None = None, stages: int | None = None) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight in fp32, [..., C] -> fp32 (the package's `rms_norm`)."""
-    _check_num_partials(num_partials)
-    return _ResidualNorm.apply(x, None, None, None, None, None, weight, eps, block_t, num_partials)
+    _check_tuning(num_partials, stages)
+    return _ResidualNorm.apply(x, None, None, None, None, None, weight, eps, block_t, num_partials, stages)
 
 
-def _check_num_partials(num_partials: int | None) -> None:
+def _check_tuning(num_partials: int | None, stages: int | None) -> None:
     if num_partials is not None and num_partials < 1:
         raise ValueError(f"num_partials must be >= 1 (backward programs), got {num_partials}")
+    if stages is not None and stages < 1:
+        raise ValueError(f"stages must be >= 1 (row blocks in flight), got {stages}")
