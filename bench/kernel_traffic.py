@@ -13,9 +13,14 @@ tensor argument, each read or written once (re-reads of a neighbour row or of a 
 program are taken as cache hits). Bytes are a + b T in the tokens T (weights a, activations b): each
 path is counted at `--tokens` and twice that, and the line through both gives the figure at `--scale-to`.
 
-Paths. CCA (zrl/moepp/kernels/cca): "reference" (cuDNN convolutions over a padded stream, PyTorch ops
-after them), "library" (the convolutions as shifted sums and one batched GEMM, the same PyTorch ops
-after), "triton" (the grouped convolution as that GEMM, everything around it in Triton). Experts
+bf16_split.bf16_gemm, a cuBLAS bf16 GEMM with an fp32 result on CUDA, is counted where it is called (one
+launch, its operands' and result's bytes, its FLOPs at the tensor cores' rate); CPU runs it on fp32 copies.
+
+Paths. CCA (zrl/moepp/kernels/cca), with bf16 weights as the trainer has them: "reference" (cuDNN
+convolutions over a padded stream, PyTorch ops after them), "library" (the convolutions as shifted sums
+and one batched fp32 GEMM, the same PyTorch ops after), "triton" (the grouped convolution as one bf16
+GEMM over the taps' three bf16 parts, everything around it in Triton), "triton fp32 weights" (the same
+with fp32 weights: the GEMMs in fp32 on the FMA units). Experts
 (zrl/modeling/kernels/experts, grouped_mm.py, what auto runs on Hopper): "torch glue" (the row moves
 around the two grouped GEMMs as PyTorch ops), "fused glue" (as glue.py's Triton passes), "transformers"
 (transformers' ZayaExperts on its grouped_mm implementation, the skip class as expert 0 with weight 0).
@@ -48,13 +53,14 @@ from zrl.modeling.kernels import gemm_count  # noqa: E402
 
 CCA_SHAPE = dict(hq=FULL.Hq, hk=FULL.Hk, d=FULL.d, k0=FULL.k0, k1=FULL.k1, rotary=FULL.rotary)
 EXPERTS_SHAPE = dict(d=FULL.D, f=FULL.F, e=FULL.E)
-PATHS = {"cca": ("reference", "library", "triton"), "experts": ("torch glue", "fused glue", "transformers")}
+PATHS = {"cca": ("reference", "library", "triton", "triton fp32 weights"),
+         "experts": ("torch glue", "fused glue", "transformers")}
 aten = torch.ops.aten
 NO_TRAFFIC = {aten.detach, aten._unsafe_view, aten.empty_like, aten.new_empty, aten.empty, aten.empty_strided,
               aten.new_empty_strided, aten.lift_fresh}  # views in all but name, and allocations
 WRITE_ONLY = {aten.zeros, aten.new_zeros, aten.zeros_like, aten.ones_like, aten.full, aten.new_full,
               aten.fill_, aten.zero_, aten.arange}  # they write their output and read nothing
-GEMMS = {packet.__name__ for packet in gemm_count.GEMMS}  # the launches that are not glue
+GEMMS = {packet.__name__ for packet in gemm_count.GEMMS} | {"bf16_gemm"}  # the launches that are not glue
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -87,6 +93,29 @@ class Traffic(TorchDispatchMode):
             moved = out if packet in WRITE_ONLY else (args, kwargs, out)
             self.add(packet.__name__, torch.utils._pytree.tree_leaves(moved))
         return out
+
+
+@contextlib.contextmanager
+def counted_bf16_gemms(traffic: Traffic, flops: list[float]):
+    """bf16_split.bf16_gemm (a cuBLAS bf16 GEMM with an fp32 result on CUDA; CPU runs it on fp32 copies, which
+    are not the GPU's traffic) counted as one launch with its operands' and result's bytes, its FLOPs
+    added to `flops[0]` (tensor-core FLOPs, apart from the GEMMs the dispatch mode sees)."""
+    from zrl.modeling.kernels import bf16_split
+
+    real = bf16_split.bf16_gemm
+
+    def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        with _disable_current_modes():
+            out = real(a, b)
+        traffic.add("bf16_gemm", [a, b, out])
+        flops[0] += 2.0 * a.shape[:-1].numel() * a.shape[-1] * b.shape[-1]
+        return out
+
+    bf16_split.bf16_gemm = gemm
+    try:
+        yield
+    finally:
+        bf16_split.bf16_gemm = real
 
 
 class _CountedLaunch:
@@ -133,15 +162,17 @@ def _cca(path: str, tokens: int, shape: dict, gen: torch.Generator):
     def leaf(*size, scale=1.0, dtype=torch.float32):
         return (scale * torch.randn(*size, generator=gen)).to(dtype).requires_grad_()
 
+    weights = torch.float32 if path == "triton fp32 weights" else torch.bfloat16  # bf16: the trainer's
     leaves = [leaf(tokens, s["hq"] * s["d"], dtype=torch.bfloat16), leaf(tokens, s["hk"] * s["d"], dtype=torch.bfloat16),
-              leaf(c, 1, s["k0"], scale=0.5), leaf(c, scale=0.1), leaf(c, s["d"], s["k1"], scale=0.05),
-              leaf(c, scale=0.1), leaf(s["hk"], scale=0.1)]
+              leaf(c, 1, s["k0"], scale=0.5, dtype=weights), leaf(c, scale=0.1, dtype=weights),
+              leaf(c, s["d"], s["k1"], scale=0.05, dtype=weights), leaf(c, scale=0.1, dtype=weights),
+              leaf(s["hk"], scale=0.1, dtype=weights)]
     args = (*leaves, layout.doc_offset, cos, sin, s["hq"], s["hk"], s["d"])
 
     def run():
         if path == "library":
             return reference.cca_precondition(*args, convs=library.causal_convs)
-        with use_backend(path):
+        with use_backend(path.split()[0]):
             return cca_precondition(*args, num_docs=layout.num_docs)
 
     return run, leaves
@@ -181,8 +212,9 @@ def count(op: str, path: str, tokens: int, shape: dict | None = None, seed: int 
     gen = torch.Generator().manual_seed(seed)
     build = _cca if op == "cca" else _experts
     run, leaves = build(path, tokens, shape or (CCA_SHAPE if op == "cca" else EXPERTS_SHAPE), gen)
-    traffic, gemms = Traffic(), gemm_count.GemmCounter()
-    with counted_launches(triton_kernel, traffic), counted_launches(glue, traffic), gemms, traffic:
+    traffic, gemms, bf16_flops = Traffic(), gemm_count.GemmCounter(), [0.0]
+    with (counted_launches(triton_kernel, traffic), counted_launches(glue, traffic),
+          counted_bf16_gemms(traffic, bf16_flops), gemms, traffic):
         out = run()
         outs = out if isinstance(out, tuple) else (out,)
         traffic.phase = "bwd"
@@ -190,7 +222,7 @@ def count(op: str, path: str, tokens: int, shape: dict | None = None, seed: int 
             grads_out = [torch.ones_like(o) for o in outs]
         torch.autograd.grad(outs, leaves, grads_out)
     return dict(launches=dict(traffic.launches), bytes=dict(traffic.bytes), glue_bytes=dict(traffic.glue_bytes),
-                names=dict(traffic.names), gemm_flops=gemms.total_flops)
+                names=dict(traffic.names), gemm_flops=gemms.total_flops, bf16_gemm_flops=bf16_flops[0])
 
 
 def at(tokens: int, small: dict, large: dict, small_tokens: int) -> Callable[[str, str], float]:
@@ -202,20 +234,23 @@ def at(tokens: int, small: dict, large: dict, small_tokens: int) -> Callable[[st
 
 
 def report(op: str, tokens: int, scale_to: int, counts: dict[str, tuple[dict, dict]]) -> str:
-    hbm = ROOFLINE["hbm_tbs"] * 1e12
-    # the CCA's GEMMs are fp32 (CCA_STATE; FMA units), the experts' bf16 (tensor cores)
-    rate, rate_name = ((ROOFLINE["fp32_tflops"], "fp32") if op == "cca" else (ROOFLINE["gemm_tflops"], "bf16"))
+    hbm, bf16 = ROOFLINE["hbm_tbs"] * 1e12, ROOFLINE["gemm_tflops"] * 1e12
+    # the GEMMs the dispatch mode sees: the CCA's are fp32 (CCA_STATE; FMA units), the experts' bf16 (tensor
+    # cores); bf16_split's GEMMs (the CCA's with bf16 weights) are bf16 on the tensor cores
+    rate = ROOFLINE["fp32_tflops"] * 1e12 if op == "cca" else bf16
     lines = [f"| path | launches fwd / bwd | GB fwd / bwd | glue GB fwd / bwd | bytes ms at {ROOFLINE['hbm_tbs']} "
-             f"TB/s | {rate_name} GEMM ms at {rate:.0f} TFLOP/s | floor ms fwd+bwd |", "|---|---|---|---|---|---|---|"]
+             f"TB/s | GEMM TFLOP fp32 / bf16 | GEMM ms | floor ms fwd+bwd |", "|---|---|---|---|---|---|---|---|"]
     for path, (small, large) in counts.items():
         v = at(scale_to, small, large, tokens)
         gb = {p: v("bytes", p) / 1e9 for p in ("fwd", "bwd")}
         glue = {p: v("glue_bytes", p) / 1e9 for p in ("fwd", "bwd")}
         byte_ms = (gb["fwd"] + gb["bwd"]) * 1e9 / hbm * 1e3
-        gemm_ms = small["gemm_flops"] * scale_to / tokens / (rate * 1e12) * 1e3
+        seen, split = (small[key] * scale_to / tokens for key in ("gemm_flops", "bf16_gemm_flops"))
+        fp32_flops, bf16_flops = (seen, split) if rate != bf16 else (0.0, seen + split)
+        gemm_ms = (fp32_flops / rate + bf16_flops / bf16) * 1e3
         lines.append(f"| {path} | {small['launches'].get('fwd', 0)} / {small['launches'].get('bwd', 0)} | "
                      f"{gb['fwd']:.2f} / {gb['bwd']:.2f} | {glue['fwd']:.2f} / {glue['bwd']:.2f} | {byte_ms:.2f} | "
-                     f"{gemm_ms:.2f} | {byte_ms + gemm_ms:.2f} |")
+                     f"{fp32_flops / 1e12:.3f} / {bf16_flops / 1e12:.3f} | {gemm_ms:.2f} | {byte_ms + gemm_ms:.2f} |")
     return "\n".join(lines)
 
 
@@ -236,8 +271,9 @@ def main() -> None:
     text = (f"# Kernel launches and traffic per path ({datetime.date.today()}, counted on CPU)\n\n"
             f"`python bench/kernel_traffic.py --ops {ops} --tokens {a.tokens} --scale-to {a.scale_to}`; bf16 "
             f"activations (CCA: q/k; experts: x and the weights), CCA documents of 1,024 tokens. Glue = the "
-            f"launches that are not GEMMs. Floor = bytes at the data-sheet bandwidth + GEMM FLOPs at the rate "
-            f"named (CCA: fp32 FMA, data sheet; experts: bf16, the measured 8192^3 GEMM), no overlap assumed.\n\n"
+            f"launches that are not GEMMs. Floor = bytes at the data-sheet bandwidth + GEMM FLOPs, fp32 ones at "
+            f"{ROOFLINE['fp32_tflops']:.0f} TFLOP/s (FMA units, data sheet) and bf16 ones at "
+            f"{ROOFLINE['gemm_tflops']:.0f} (tensor cores, the measured 8192^3 GEMM), no overlap assumed.\n\n"
             + "\n".join(sections))
     print(text)
     if a.out:

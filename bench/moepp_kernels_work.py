@@ -211,6 +211,21 @@ def attention_work(s: Shape, doc_lens: Sequence[int], act: int) -> Work:
 
 
 FLASH_BWD_EXECUTED = 1.25  # a flash attention backward runs 5 [S, S] products to the forward's 2: 2.5x, not 2x
+# The CCA's grouped convolution as its Triton path runs it with bf16 weights (the trainer's;
+# zrl/moepp/kernels/cca/triton_kernel.py, "Precision"): forward one bf16 GEMM over the taps' three exact bf16
+# parts (3 GEMM-equivalents of its 2 k1 d C FLOPs per token, K-stacked), backward g_W1 and g_taps at order 0
+# (1 each, the useful 2).
+CCA_GEMM_DOTS = (3, 2)
+
+
+def cca_gemm_work(s: Shape, tokens: int) -> Work:
+    """The CCA's grouped convolution as GEMMs (its FLOPs are in cca_work too): forward 2 k1 d per output
+    channel and token, backward twice that. Bytes (the weights left out): forward the taps' three bf16 parts
+    read, T C k1 6, conv written fp32, T C 4; backward g_conv in bf16 read twice, T C 4, the taps' hi part,
+    T C k1 2, g_taps written fp32, T C k1 4."""
+    tc = tokens * s.C
+    return Work(flops_fwd=2.0 * s.k1 * s.d * tc, flops_bwd=4.0 * s.k1 * s.d * tc,
+                bytes_fwd=float(tc * (6 * s.k1 + 4)), bytes_bwd=float(tc * (4 + 6 * s.k1)))
 
 # The LM head as the RL loss runs it on CUDA, fused with the loss (zrl/modeling/kernels/lm_logprobs/fused.py),
 # in bf16 GEMM-equivalents of 2 T V D: the fp32 hidden state in three exact bf16 parts against the bf16
@@ -285,7 +300,8 @@ def training_step_ops(s: Shape, layers: int, doc_lens: Sequence[int], routed: in
     """Every op of one trainer step on one microbatch of `doc_lens` documents, `routed` tokens routed to an
     expert in each layer, parameters gathered in the compute dtype (a = `act` bytes).
 
-    Per layer: input RMSNorm, q/k/v projections (one GEMM of (Hq + 2 Hk) d outputs), CCA, attention,
+    Per layer: input RMSNorm, q/k/v projections (one GEMM of (Hq + 2 Hk) d outputs), CCA (its grouped
+    convolution's GEMMs apart, on the tensor cores as the Triton path runs them: CCA_GEMM_DOTS), attention,
     o projection, residual add + RMSNorm, router down-projection, router head, experts, residual add
     (counted as residual_norm_work, whose normed output it does not write). `checkpointing`: each layer's
     forward runs again in the backward. Outside the layers: embedding gather (and its gradient's scatter),
@@ -302,21 +318,25 @@ def training_step_ops(s: Shape, layers: int, doc_lens: Sequence[int], routed: in
 
     t = sum(doc_lens)
     runs = 2 if checkpointing else 1
-    layer_ops = (  # name, useful work, tensor cores, executed / useful backward FLOPs
-        ("input_norm", rms_norm_work(s, t, act), False, 1.0),
-        ("qkv_proj", gemm_work(t, (s.Hq + 2 * s.Hk) * s.d, s.D, act), True, 1.0),
-        ("cca", cca_work(s, t, act), False, 1.0),
-        ("attention", attention_work(s, doc_lens, act), True, FLASH_BWD_EXECUTED),
-        ("o_proj", gemm_work(t, s.D, s.Hq * s.d, act), True, 1.0),
-        ("residual_norm", residual_norm_work(s, t, act), False, 1.0),
-        ("router_down", gemm_work(t, s.R, s.D, act), True, 1.0),
-        ("router", router_work(s, t, act), True, 1.0),
-        ("experts", experts_work(s, t, routed, act), True, 1.0),
-        ("residual_add", residual_norm_work(s, t, act), False, 1.0),
+    cca, conv = cca_work(s, t, act), cca_gemm_work(s, t)
+    layer_ops = (  # name, useful work, tensor cores, executed / useful forward and backward FLOPs
+        ("input_norm", rms_norm_work(s, t, act), False, 1.0, 1.0),
+        ("qkv_proj", gemm_work(t, (s.Hq + 2 * s.Hk) * s.d, s.D, act), True, 1.0, 1.0),
+        # the CCA: its grouped convolution's GEMMs on the tensor cores, the rest (and all its bytes) fp32
+        ("cca", Work(cca.flops_fwd - conv.flops_fwd, cca.flops_bwd - conv.flops_bwd, cca.bytes_fwd, cca.bytes_bwd),
+         False, 1.0, 1.0),
+        ("cca_gemm", conv, True, CCA_GEMM_DOTS[0], CCA_GEMM_DOTS[1] / 2),
+        ("attention", attention_work(s, doc_lens, act), True, 1.0, FLASH_BWD_EXECUTED),
+        ("o_proj", gemm_work(t, s.D, s.Hq * s.d, act), True, 1.0, 1.0),
+        ("residual_norm", residual_norm_work(s, t, act), False, 1.0, 1.0),
+        ("router_down", gemm_work(t, s.R, s.D, act), True, 1.0, 1.0),
+        ("router", router_work(s, t, act), True, 1.0, 1.0),
+        ("experts", experts_work(s, t, routed, act), True, 1.0, 1.0),
+        ("residual_add", residual_norm_work(s, t, act), False, 1.0, 1.0),
     )
-    ops = [StepOp(name, layers, layers * (runs * w.flops_fwd + bwd * w.flops_bwd),
+    ops = [StepOp(name, layers, layers * (runs * fwd * w.flops_fwd + bwd * w.flops_bwd),
                   layers * (runs * w.bytes_fwd + w.bytes_bwd), layers * (w.flops_fwd + w.flops_bwd), tc)
-           for name, w, tc, bwd in layer_ops]
+           for name, w, tc, fwd, bwd in layer_ops]
     embed = Work(0.0, 0.0, float(t * s.D * (act + 4) + 8 * t), float(t * s.D * (4 + 2 * act) + 8 * t))
     norm, head = rms_norm_work(s, t, act), lm_head_split_work(s, t, act, lm_head_dots)
     useful_head, blocks = lm_logprobs_work(s, t, act), lm_head_block_work(s, t)

@@ -111,6 +111,12 @@ def test_training_step_ops_count_recomputation_but_model_flops_do_not():
     attention = work.attention_work(work.SMALL, docs, 2)
     assert off["attention"].flops == 2 * (attention.flops_fwd + 1.25 * attention.flops_bwd)
     assert on["lm_head"].flops == 5 / 3 * on["lm_head"].model_flops  # 5 GEMM-equivalents where MFU counts 3
+    # the CCA's grouped convolution on the tensor cores: 3 GEMM-equivalents forward (the taps' bf16 parts), 2
+    # backward (the useful ones); the rest of the CCA on the FMA units, its FLOPs counted once
+    conv, cca = work.cca_gemm_work(work.SMALL, 5).flops_fwd, work.cca_work(work.SMALL, 5, 2)
+    assert on["cca_gemm"].flops == 2 * (2 * 3 * conv + 2 * conv) and off["cca_gemm"].flops == 2 * (3 * conv + 2 * conv)
+    assert on["cca_gemm"].model_flops == 2 * 3 * conv and on["cca_gemm"].tensor_cores and not on["cca"].tensor_cores
+    assert on["cca"].model_flops + on["cca_gemm"].model_flops == 2 * (cca.flops_fwd + cca.flops_bwd)
     assert on["lm_head_blocks"].model_flops == 0 and not on["lm_head_blocks"].tensor_cores
     assert on["muon"].flops == sum(ns_flops(s) for s in optimizer[0]) and on["muon"].model_flops == 0
     assert {"muon", "adamw", "fsdp_casts"} <= set(on) and not {"muon", "adamw"} & set(off)

@@ -308,11 +308,18 @@ def _cca_cases() -> list[tuple[str, dict]]:
     ragged_docs = dict(dtype=fp32, hq=4, hk=2, d=32, k0=3, k1=2, rotary=16)
     cases += [(f"test_ragged_documents T={t}", dict(ragged_docs, t=t, **blocks))
               for t in (20, 18, 5, 19) for blocks in (small, {})]  # both tile sets per case
+    # bf16 weights: the split GEMMs (their taps and epilogue kernels in the bit-pattern variants)
+    cases += [(f"test_split_gemms d={d} Hq/Hk={hq}/{hk} k={k0},{k1} rot={rot}",
+               dict(dtype=fp32, t=sum(lens), hq=hq, hk=hk, d=d, k0=k0, k1=k1, rotary=rot, param_dtype=bf16, **small))
+              for lens, (d, hq, hk, k0, k1, rot) in test_cca.SPLIT_CASES]
+    no_leakage = dict(dtype=fp32, t=24, hq=2, hk=1, d=32, k0=3, k1=2, rotary=32, **small)
     cases += [
-        ("test_no_leakage", dict(dtype=fp32, t=24, hq=2, hk=1, d=32, k0=3, k1=2, rotary=32, **small)),
+        ("test_no_leakage", no_leakage),
+        ("test_no_leakage bf16 weights", dict(no_leakage, param_dtype=bf16)),
         ("test_attention_block", dict(dtype=fp32, t=11, hq=4, hk=2, d=16, k0=3, k1=2, rotary=8)),
         ("test_bf16_projections_gpu", dict(dtype=bf16, t=128, hq=8, hk=2, d=128, k0=2, k1=2, rotary=64,
                                            param_dtype=fp32)),
+        ("test_trainer_dtypes_gpu", dict(dtype=bf16, t=128, hq=8, hk=2, d=128, k0=2, k1=2, rotary=64)),
     ]
     return cases
 

@@ -29,8 +29,9 @@ from collections.abc import Callable
 import torch
 
 from zrl.modeling import kernels
+from zrl.modeling.kernels.bf16_split import split_parts
 from zrl.modeling.kernels.lm_logprobs import library, reference
-from zrl.modeling.kernels.lm_logprobs.library import _gemm, _pairs, split_parts
+from zrl.modeling.kernels.lm_logprobs.library import _gemm, _pairs
 from zrl.modeling.kernels.lm_logprobs.reference import Fp32Products, supported
 
 # (rows, logprob [c], entropy [c] or None) -> (loss terms [c], dL/dlogprob [c], dL/dentropy [c] or None).
@@ -71,8 +72,8 @@ class FusedFp32Products(Fp32Products):
 
 
 class FusedSplitProducts:
-    """The three products as bf16 GEMMs on exact parts (library.py's `split_parts`, `_gemm`), stacked so
-    that each is one GEMM launch per chunk with an fp32 result written once:
+    """The three products as bf16 GEMMs on exact parts (bf16_split.py's `split_parts`, library.py's `_gemm`),
+    stacked so that each is one GEMM launch per chunk with an fp32 result written once:
 
     - logits: K-stacked along D. hidden parts [T, nD] (made once) x the weight parts repeated to [V, nD]
       (made once per call: 3 copies of a bf16 weight, 3 x V x D x 2 bytes, freed when the op returns).

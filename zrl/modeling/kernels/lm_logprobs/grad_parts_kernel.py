@@ -16,8 +16,8 @@ and each part goes to the [c, V] blocks of the output that `sequence` names (e.g
 of z (4 B per logit), one write per block (2 B), where the PyTorch formulation makes ~6 passes.
 
 The parts are rounded with integer arithmetic on the fp32 bits and stored as int16 bit patterns into a
-bf16 buffer viewed as int16: the same rounding as `Tensor.to(torch.bfloat16)`, and exact under Triton's CPU
-interpreter, which gets bf16 arithmetic wrong. Neither kernel specialises on the chunk size c or V, so a
+bf16 buffer viewed as int16 (`bf16_split_triton.bf16_bits`): the same rounding as `Tensor.to(torch.bfloat16)`,
+and exact under Triton's CPU interpreter, which gets bf16 arithmetic wrong. Neither kernel specialises on the chunk size c or V, so a
 microbatch's last (shorter) chunk compiles nothing new.
 """
 
@@ -27,18 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
+from zrl.modeling.kernels.bf16_split_triton import as_int16, bf16_bits
+
 BLOCK_V = 1024
 STATS_BLOCK, STATS_WARPS = 2048, 8  # row_stats: lanes of one row's program (8 logits per thread a step)
 MAX_BLOCKS = 4  # output blocks a launch writes (the fused head's sequences: [hi, mid, hi], [hi, mid], [hi], ...)
-
-
-@triton.jit
-def _bf16_bits(x):
-    """Round fp32 x to bf16 (nearest even): (its 16 bits in the low half of a uint32, the value as fp32)."""
-    u = x.to(tl.uint32, bitcast=True)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)  # NaN stays a (quiet) NaN
-    return rounded, (rounded << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -51,7 +44,7 @@ def _store_part(out_ptr, block: tl.constexpr, part: tl.constexpr, offs, mask, bi
             bits = bits1
         else:
             bits = bits2
-        tl.store(out_ptr + block * block_stride + offs, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        tl.store(out_ptr + block * block_stride + offs, as_int16(bits), mask=mask)
 
 
 @triton.jit(do_not_specialize=["rows", "vocab"])
@@ -73,14 +66,14 @@ def _grad_parts_kernel(z_ptr, lse_ptr, g_lp_ptr, g_ent_ptr, mean_ptr, y_ptr, out
     else:
         grad = p * -g_lp
     grad = tl.where(cols == y, grad + g_lp, grad)
-    bits0, hi = _bf16_bits(grad)
+    bits0, hi = bf16_bits(grad)
     bits1 = bits0
     bits2 = bits0
     if PARTS > 1:
         rest = grad - hi
-        bits1, mid = _bf16_bits(rest)
+        bits1, mid = bf16_bits(rest)
         if PARTS > 2:
-            bits2, _ = _bf16_bits(rest - mid)
+            bits2, _ = bf16_bits(rest - mid)
     block_stride = rows.to(tl.int64) * vocab
     _store_part(out_ptr, 0, S0, offs, mask, bits0, bits1, bits2, block_stride)
     _store_part(out_ptr, 1, S1, offs, mask, bits0, bits1, bits2, block_stride)

@@ -1,7 +1,7 @@
 """The LM head on cuBLAS at fp32-level accuracy: the reference's chunks, its products as bf16 GEMMs.
 
 Same chunks, log-sum-exp, entropy and backward as reference.py (`_ChunkedTokenLogprobs`); only the
-three products differ. Each fp32 operand is split exactly into bf16 parts (`split_parts`), and a product
+three products differ. Each fp32 operand is split exactly into bf16 parts (`bf16_split.split_parts`), and a product
 is the sum over part pairs (i, j) with i + j <= order of a_i @ b_j, every GEMM a bf16 tensor-core
 GEMM with fp32 accumulation and an fp32 result (`torch.mm` / `torch.addmm` with out_dtype, CUDA only;
 elsewhere the parts are multiplied in fp32, which is exact for bf16 products, so CPU tests check the
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from zrl.modeling.kernels.bf16_split import bf16_gemm, split_parts
 from zrl.modeling.kernels.lm_logprobs.reference import _ChunkedTokenLogprobs
 
 _CHUNK_BYTES = 1 << 30
@@ -31,23 +32,13 @@ def default_chunk_tokens(vocab_size: int) -> int:
     return max(1, _CHUNK_BYTES // (4 * vocab_size))
 
 
-def split_parts(x: torch.Tensor) -> torch.Tensor:
-    """[3, *x.shape] bf16 parts summing exactly to x in fp32 (x fp32 or narrower; 3 x 8 significant bits)."""
-    x = x.float()
-    hi = x.to(torch.bfloat16)
-    rest = x - hi.float()
-    mid = rest.to(torch.bfloat16)
-    return torch.stack([hi, mid, (rest - mid.float()).to(torch.bfloat16)])
-
-
 def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b (16-bit) as an fp32 result on the tensor cores; added into `out` [fp32] when given."""
+    if out is None:
+        return bf16_gemm(a, b)
     if a.is_cuda:
-        if out is None:
-            return torch.mm(a, b, out_dtype=torch.float32)
         return torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-    a, b = a.float(), b.float()  # bf16 x bf16 products are exact in fp32: the same sums as on CUDA
-    return a @ b if out is None else out.addmm_(a, b)
+    return out.addmm_(a.float(), b.float())  # bf16 x bf16 products are exact in fp32: the same sums as on CUDA
 
 
 def _pairs(a_parts: int, b_parts: int, order: int) -> list[tuple[int, int]]:

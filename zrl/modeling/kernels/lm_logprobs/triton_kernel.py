@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from zrl.modeling.kernels import interpreting
-from zrl.modeling.kernels.lm_logprobs.library import split_parts
+from zrl.modeling.kernels.bf16_split import split_parts
 
 _FINITE_MIN = tl.constexpr(-3.0e38)  # running-max start: finite, so 0 * (m_old - m_new) stays 0 on the first tile
 
