@@ -1,8 +1,8 @@
-"""Launches and memory traffic of the CCA preconditioner's and the MoE experts' paths, forward and backward,
-counted on CPU: what each would launch on a GPU, the bytes those launches move, and the time that traffic
-and the GEMMs take at the H200's rates.
+"""Launches and memory traffic of the CCA preconditioner's, the CCA projections' and the MoE experts' paths,
+forward and backward, counted on CPU: what each would launch on a GPU, the bytes those launches move, and the
+time that traffic and the GEMMs take at the H200's rates.
 
-  python bench/kernel_traffic.py [--ops cca experts] [--tokens 1024] [--scale-to 65536]
+  python bench/kernel_traffic.py [--ops cca experts cca_proj] [--tokens 1024] [--scale-to 65536]
                                  [--out bench/results/kernel-traffic-cpu-DATE.md]
 
 A dispatch mode sees every aten op a path runs, autograd's backward included (the same calls on any
@@ -24,6 +24,8 @@ with fp32 weights: the GEMMs in fp32 on the FMA units). Experts
 (zrl/modeling/kernels/experts, grouped_mm.py, what auto runs on Hopper): "torch glue" (the row moves
 around the two grouped GEMMs as PyTorch ops), "fused glue" (as glue.py's Triton passes), "transformers"
 (transformers' ZayaExperts on its grouped_mm implementation, the skip class as expert 0 with weight 0).
+CCA projections (zrl/moepp/cca.py, `CCAProjection.project`, from the input norm's fp32 output): "one GEMM"
+(the four weights concatenated, the input cast once), "four GEMMs" (the formulation it replaced).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import datetime
 import os
 import sys
@@ -51,10 +54,13 @@ from roofline import ROOFLINE  # noqa: E402
 from zrl.modeling.kernels import use_backend  # noqa: E402
 from zrl.modeling.kernels import gemm_count  # noqa: E402
 
-CCA_SHAPE = dict(hq=FULL.Hq, hk=FULL.Hk, d=FULL.d, k0=FULL.k0, k1=FULL.k1, rotary=FULL.rotary)
-EXPERTS_SHAPE = dict(d=FULL.D, f=FULL.F, e=FULL.E)
+SHAPES = {"cca": dict(hq=FULL.Hq, hk=FULL.Hk, d=FULL.d, k0=FULL.k0, k1=FULL.k1, rotary=FULL.rotary),
+          "experts": dict(d=FULL.D, f=FULL.F, e=FULL.E),
+          "cca_proj": dict(hidden_size=FULL.D, num_attention_heads=FULL.Hq, num_key_value_heads=FULL.Hk,
+                           head_dim=FULL.d)}
 PATHS = {"cca": ("reference", "library", "triton", "triton fp32 weights"),
-         "experts": ("torch glue", "fused glue", "transformers")}
+         "experts": ("torch glue", "fused glue", "transformers"),
+         "cca_proj": ("four GEMMs", "one GEMM")}
 aten = torch.ops.aten
 NO_TRAFFIC = {aten.detach, aten._unsafe_view, aten.empty_like, aten.new_empty, aten.empty, aten.empty_strided,
               aten.new_empty_strided, aten.lift_fresh}  # views in all but name, and allocations
@@ -203,6 +209,33 @@ def _experts(path: str, tokens: int, shape: dict, gen: torch.Generator):
     return lambda: experts(x, hf_ids, hf_gate), [x, *experts.parameters()]
 
 
+def _cca_proj(path: str, tokens: int, shape: dict, gen: torch.Generator):
+    """(run, leaves) of the CCA's four projections (q, k, v current, v delayed) of `tokens` fp32 inputs (the input
+    norm's output), bf16 weights: "one GEMM" is CCAProjection.project; "four GEMMs" its formulation before
+    2026-11-29, each projection casting the input itself, autograd summing the four input gradients."""
+    from zrl.modeling.blocks import linear
+    from zrl.modeling.packing import build_layout
+    from zrl.moepp.cca import CCAProjection
+
+    proj = CCAProjection(dataclasses.replace(FULL.config(), attention_bias=False, **shape)).to(torch.bfloat16)
+    projections = (proj.q_proj, proj.k_proj, proj.v_proj_current, proj.v_proj_delayed)
+    x = torch.randn(tokens, shape["hidden_size"], generator=gen).requires_grad_()
+    leaves = [x, *(p.weight for p in projections)]
+    layout = build_layout(tokens, device=torch.device("cpu"), cu_seqlens=torch.tensor([0, tokens]))
+    if path == "one GEMM":
+        return lambda: proj.project(x, layout), leaves
+
+    def four() -> tuple[torch.Tensor, ...]:
+        q, k, v_current, v_all = (linear(x, p) for p in projections)
+        v_delayed = torch.where(layout.doc_start[:, None], 0.0, torch.roll(v_all, 1, dims=0))
+        return q, k, torch.cat([v_current, v_delayed], dim=-1).view(tokens, -1, proj.head_dim)
+
+    return four, leaves
+
+
+BUILDERS = {"cca": _cca, "experts": _experts, "cca_proj": _cca_proj}
+
+
 def count(op: str, path: str, tokens: int, shape: dict | None = None, seed: int = 0) -> dict:
     """One forward and backward of `op`'s `path` on `tokens` tokens: launches, bytes, glue bytes and launch
     names per phase, and the GEMM FLOPs."""
@@ -210,8 +243,7 @@ def count(op: str, path: str, tokens: int, shape: dict | None = None, seed: int 
     from zrl.moepp.kernels.cca import triton_kernel
 
     gen = torch.Generator().manual_seed(seed)
-    build = _cca if op == "cca" else _experts
-    run, leaves = build(path, tokens, shape or (CCA_SHAPE if op == "cca" else EXPERTS_SHAPE), gen)
+    run, leaves = BUILDERS[op](path, tokens, shape or SHAPES[op], gen)
     traffic, gemms, bf16_flops = Traffic(), gemm_count.GemmCounter(), [0.0]
     with (counted_launches(triton_kernel, traffic), counted_launches(glue, traffic),
           counted_bf16_gemms(traffic, bf16_flops), gemms, traffic):
@@ -264,13 +296,13 @@ def main() -> None:
     sections = []
     for op in a.ops:
         counts = {path: (count(op, path, a.tokens), count(op, path, 2 * a.tokens)) for path in PATHS[op]}
-        shape = CCA_SHAPE if op == "cca" else EXPERTS_SHAPE
-        sections.append(f"## {op}, ZAYA1-8B shape {shape}, at {a.scale_to:,} tokens\n\n"
+        sections.append(f"## {op}, ZAYA1-8B shape {SHAPES[op]}, at {a.scale_to:,} tokens\n\n"
                         f"{report(op, a.tokens, a.scale_to, counts)}\n")
     ops = " ".join(a.ops)
     text = (f"# Kernel launches and traffic per path ({datetime.date.today()}, counted on CPU)\n\n"
             f"`python bench/kernel_traffic.py --ops {ops} --tokens {a.tokens} --scale-to {a.scale_to}`; bf16 "
-            f"activations (CCA: q/k; experts: x and the weights), CCA documents of 1,024 tokens. Glue = the "
+            f"activations (CCA: q/k; experts: x and the weights; CCA projections: fp32 input, bf16 weights), CCA "
+            f"documents of 1,024 tokens. Glue = the "
             f"launches that are not GEMMs. Floor = bytes at the data-sheet bandwidth + GEMM FLOPs, fp32 ones at "
             f"{ROOFLINE['fp32_tflops']:.0f} TFLOP/s (FMA units, data sheet) and bf16 ones at "
             f"{ROOFLINE['gemm_tflops']:.0f} (tensor cores, the measured 8192^3 GEMM), no overlap assumed.\n\n"

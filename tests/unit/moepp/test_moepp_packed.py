@@ -147,3 +147,44 @@ def test_documents_do_not_see_each_other():
     grad = captured["emb"].grad  # [T, D]
     assert grad[:4].abs().max() == 0
     assert grad[4:].abs().max() > 0
+
+
+def test_cca_projections_run_as_one_gemm_with_one_cast():
+    """The four projections run as one GEMM over their concatenated weights, x cast to the compute dtype once;
+    x's gradient is one GEMM too (where four summed in three more passes over [T, D] before). A projection
+    with a forward of its own (a LoRA adapter) makes them run one by one, with that module's values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zrl.modeling.kernels.gemm_count import GemmCounter
+    from zrl.modeling.lora.layers import LoRALinear
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket is torch.ops.aten._to_copy and args[0].shape == x.shape
+            return func(*args, **(kwargs or {}))
+
+    ref = random_reference(**REF_KW)
+    proj: CCAProjection = ours_from_reference(ref).layers[1].self_attn.qkv_proj.to(torch.bfloat16)
+    x = torch.randn(sum(DOC_LENS), config_of(ref).hidden_size, generator=torch.Generator().manual_seed(2),
+                    requires_grad=True)  # fp32, as the input norm gives it
+    layout = build_layout(x.shape[0], device=x.device, cu_seqlens=cu_of(DOC_LENS))
+    with GemmCounter() as gemms, Casts() as casts:
+        q, k, v = proj.project(x, layout)
+        forward_gemms, forward_casts = gemms.total_launches, casts.count
+        torch.autograd.grad(q.sum() + k.sum() + v.sum(), [x])
+    assert (forward_gemms, forward_casts) == (1, 1)
+    assert gemms.total_launches == 2 and casts.count == 2  # backward: x's gradient and its cast back to fp32
+    xb = x.detach().bfloat16()
+    torch.testing.assert_close(q, proj.q_proj(xb), rtol=0, atol=1e-2)  # one bf16 rounding apart at most
+    # LoRA on q_proj: one by one, q with its adapter
+    proj.q_proj = LoRALinear(proj.q_proj, rank=2, alpha=4.0, dropout=0.0)
+    torch.nn.init.normal_(proj.q_proj.lora_B)
+    with torch.no_grad(), GemmCounter() as gemms:
+        q_lora, k_lora, _ = proj.project(x, layout)
+    assert gemms.total_launches >= 4
+    assert torch.equal(q_lora, proj.q_proj(xb)) and torch.equal(k_lora, proj.k_proj(xb))
+    assert not torch.equal(q_lora, q)
