@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from zrl.glm4_moe.config import Glm4MoEConfig
 from zrl.modeling.attention import causal_attention
-from zrl.modeling.blocks import PreNormDecoderLayer, RMSNorm, linear
+from zrl.modeling.blocks import PreNormDecoderLayer, RMSNorm, linear, linears
 from zrl.modeling.causal_lm import PackedCausalLM
 from zrl.modeling.experts import SwiGLUExperts
 from zrl.modeling.packing import PackedLayout, build_layout
@@ -78,9 +78,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, layout: PackedLayout, rope: Rope) -> torch.Tensor:
         """x [T, D] (normed) -> [T, D] in the compute dtype."""
         t = x.shape[0]
-        q = linear(x, self.q_proj).view(t, self.num_q_heads, self.head_dim)  # [T, Hq, d]
-        k = linear(x, self.k_proj).view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, d]
-        v = linear(x, self.v_proj).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = linears(x, (self.q_proj, self.k_proj, self.v_proj))  # one GEMM
+        q = q.view(t, self.num_q_heads, self.head_dim)  # [T, Hq, d]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, d]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # fp32
         q = apply_partial_rope(to_op_dtype(q, Fp32Op.QK_NORM), *rope)  # fp32

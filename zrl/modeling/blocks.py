@@ -1,4 +1,4 @@
-"""Small building blocks every model shares: RMSNorm and a linear layer in its weights' dtype.
+"""Small building blocks every model shares: RMSNorm, and linear layers in their weights' dtype.
 
 RMSNorm runs in fp32 whatever the weight dtype (RMSNORM of the FP32 op set, precision.py): it returns
 fp32 and the consumer casts to its compute dtype. Its parameter is `weight`, as in Hugging Face
@@ -9,7 +9,10 @@ the same on every backend.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from zrl.modeling.kernels.residual_norm import rms_norm
@@ -34,6 +37,22 @@ class RMSNorm(nn.Module):
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """`layer(x)` in the layer's weight dtype (the compute dtype), whatever dtype `x` arrives in."""
     return layer(x.to(layer.weight.dtype))
+
+
+def linears(x: torch.Tensor, layers: Sequence[nn.Linear]) -> list[torch.Tensor]:
+    """`layer(x)` for each of `layers` (one input, e.g. an attention block's q, k, v), x cast once to their
+    weights' dtype. Plain `nn.Linear`s (their forward is nn.Linear's) of one bias kind run as one GEMM over
+    their weights concatenated, as a serving engine's merged projection does: the backward then forms x's
+    gradient in one GEMM, where one per layer would be summed in more passes over x's shape. Otherwise (a
+    LoRA adapter's forward, say) they run one by one. The outputs of the one GEMM are column slices of it."""
+    x = x.to(layers[0].weight.dtype)
+    biases = [layer.bias for layer in layers]
+    if (all(type(layer).forward is nn.Linear.forward for layer in layers)
+            and len({bias is None for bias in biases}) == 1):
+        bias = None if biases[0] is None else torch.cat(biases)
+        out = F.linear(x, torch.cat([layer.weight for layer in layers]), bias)
+        return list(out.split([layer.out_features for layer in layers], dim=-1))
+    return [layer(x) for layer in layers]
 
 
 class PreNormDecoderLayer(nn.Module):

@@ -21,11 +21,10 @@ Invariant: no operation mixes tokens of different documents (see zrl.modeling.pa
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from zrl.modeling.attention import causal_attention
-from zrl.modeling.blocks import linear
+from zrl.modeling.blocks import linear, linears
 from zrl.modeling.packing import PackedLayout
 from zrl.moepp.config import MoEPPConfig
 from zrl.moepp.kernels.cca import cca_precondition
@@ -56,21 +55,13 @@ class CCAProjection(nn.Module):
     def project(self, x: torch.Tensor, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> q [T, Hq d], k [T, Hk d] (projections only), v [T, Hk, d]; all compute dtype.
 
-        The four projections run as one GEMM over their weights concatenated (as the serving model's
-        merged projection does): x is cast once, and the backward forms x's gradient in one GEMM instead of
-        four summed in three more passes over [T, D]. The parameters stay four (the checkpoint's). A
-        projection with a forward of its own (a LoRA adapter's) makes them run one by one."""
+        The four projections run as one GEMM over their weights concatenated (`linears`, as the serving
+        model's merged projection does); the parameters stay four (the checkpoint's)."""
         t, d, hk = x.shape[0], self.head_dim, self.num_kv_heads
-        projections = (self.q_proj, self.k_proj, self.v_proj_current, self.v_proj_delayed)
-        x = x.to(self.q_proj.weight.dtype)  # the compute dtype, once for the four
-        if all(type(p).forward is nn.Linear.forward for p in projections):
-            bias = None if self.q_proj.bias is None else torch.cat([p.bias for p in projections])
-            out = F.linear(x, torch.cat([p.weight for p in projections]), bias)  # [T, (Hq + 2 Hk) d]
-            q, k, v_current, v_all = out.split([p.out_features for p in projections], dim=-1)
-        else:
-            q, k, v_current, v_all = (p(x) for p in projections)
-        # q [T, Hq d], k [T, Hk d], v_current [T, Hk d / 2]; v_all [T, Hk d / 2]: the delayed projection of
+        # q [T, Hq d], k [T, Hk d], v_current [T, Hk d / 2]; v_all [T, Hk d / 2], the delayed projection of
         # every token, used one step later
+        q, k, v_current, v_all = linears(x, (self.q_proj, self.k_proj, self.v_proj_current,
+                                             self.v_proj_delayed))
         # At a document start the previous token is zero history: W_vd 0 + b_vd.
         start_value = (self.v_proj_delayed.bias.to(v_all.dtype) if self.v_proj_delayed.bias is not None
                        else v_all.new_zeros(()))

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from zrl.modeling.attention import causal_attention
-from zrl.modeling.blocks import PreNormDecoderLayer, RMSNorm, linear
+from zrl.modeling.blocks import PreNormDecoderLayer, RMSNorm, linear, linears
 from zrl.modeling.causal_lm import PackedCausalLM
 from zrl.modeling.experts import SwiGLUExperts
 from zrl.modeling.packing import PackedLayout, build_layout
@@ -77,9 +77,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, layout: PackedLayout, rope: Rope) -> torch.Tensor:
         """x [T, D] (normed) -> [T, D] in the compute dtype."""
         t = x.shape[0]
-        q = self.q_norm(linear(x, self.q_proj).view(t, self.num_q_heads, self.head_dim))  # [T, Hq, d] fp32
-        k = self.k_norm(linear(x, self.k_proj).view(t, self.num_kv_heads, self.head_dim))  # [T, Hk, d] fp32
-        v = linear(x, self.v_proj).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = linears(x, (self.q_proj, self.k_proj, self.v_proj))  # one GEMM
+        q = self.q_norm(q.view(t, self.num_q_heads, self.head_dim))  # [T, Hq, d] fp32
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))  # [T, Hk, d] fp32
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)  # full rotate-half RoPE, fp32
         dtype = self.o_proj.weight.dtype
         out = causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), layout)  # [T, Hq, d]

@@ -182,7 +182,8 @@ def test_cca_projections_run_as_one_gemm_with_one_cast():
     torch.testing.assert_close(q, proj.q_proj(xb), rtol=0, atol=1e-2)  # one bf16 rounding apart at most
     # LoRA on q_proj: one by one, q with its adapter
     proj.q_proj = LoRALinear(proj.q_proj, rank=2, alpha=4.0, dropout=0.0)
-    torch.nn.init.normal_(proj.q_proj.lora_B)
+    for adapter in (proj.q_proj.lora_A, proj.q_proj.lora_B):
+        torch.nn.init.normal_(adapter, std=0.1)
     with torch.no_grad(), GemmCounter() as gemms:
         q_lora, k_lora, _ = proj.project(x, layout)
     assert gemms.total_launches >= 4
