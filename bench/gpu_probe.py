@@ -25,7 +25,7 @@ its JSON twin:
   kernels    at 16k and 64k tokens, each op (lm_logprobs, experts, cca, attention, router,
              residual_norm, decoder layer) as the Triton kernel vs the PyTorch reference vs transformers'
              piece vs the library op (experts: torch._grouped_mm), fwd and fwd+bwd: ms, TFLOP/s and the
-             share of a dense [T, D] x [D, 2F] GEMM timed in the same part (bench/moepp_kernels.py's
+             share of a dense [T, D] x [D, 2F] GEMM timed in the same part (bench/moepp_kernels_groups.py's
              groups; FLOPs from bench/moepp_kernels_work.py). The LM head also as "fused": the head fused
              with the RL loss (lm_logprobs/fused.py, what the trainer's loss runs); the summary sets its
              fwd+bwd at 16k tokens against transformers' bf16 head (goal <= 1.5x). At 64k the fwd+bwd of
@@ -249,7 +249,7 @@ def median_seconds(call: Callable[[], object], cuda: bool, iters: int = TIMED_CA
 def attention_groups(ctx, tokens: int) -> list:
     """zrl's causal attention (zrl.modeling.attention.causal_attention) on the packed layout, under each
     backend the group times: ragged documents (what the trainer sees) and equal ones (one SDPA batch)."""
-    import moepp_kernels as mk
+    import moepp_kernels_groups as mk
     from zrl.modeling.attention import causal_attention
     from zrl.modeling.packing import build_layout
 
@@ -259,7 +259,7 @@ def attention_groups(ctx, tokens: int) -> list:
         lens = doc_lengths(tokens, ctx.doc_len, ragged=ragged)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=ctx.device)
         layout = build_layout(tokens, device=ctx.device, cu_seqlens=cu)
-        impls = [mk.Impl(b, mk._scoped(b, lambda layout=layout: causal_attention(q, k, v, layout)), [q, k, v])
+        impls = [mk.Impl(b, mk.scoped(b, lambda layout=layout: causal_attention(q, k, v, layout)), [q, k, v])
                  for b in ("reference", "triton") if b in ctx.impls]
         name = "attention" if ragged else "attention equal"
         groups.append(mk.Group(name, attention_work(s, lens, ctx.act), impls,
