@@ -25,7 +25,13 @@ with fp32 weights: the GEMMs in fp32 on the FMA units). Experts
 around the two grouped GEMMs as PyTorch ops), "fused glue" (as glue.py's Triton passes), "transformers"
 (transformers' ZayaExperts on its grouped_mm implementation, the skip class as expert 0 with weight 0).
 CCA projections (zrl/moepp/cca.py, `CCAProjection.project`, from the input norm's fp32 output): "one GEMM"
-(the four weights concatenated, the input cast once), "four GEMMs" (the formulation it replaced).
+(the four weights concatenated, the input cast once), "four GEMMs" (the formulation it replaced). Layer
+(zrl/moepp/model.py's DecoderLayer, bf16 weights, the fp32 stream, the previous layer's router state): "auto"
+(each op as `auto` runs it on an H200, AUTO_ON_CUDA, the Triton kernels in the interpreter and
+`torch._grouped_mm` on its CPU kernel), "candidates" (the same with the CCA's Triton path and the experts' fused
+glue); attention is counted as bytes only (on CPU one SDPA call per document shape, FlashAttention's operands).
+For the layer, `--sites` adds a table of where its bytes are moved: per function of zrl that launched them,
+the backward's launches under the forward function that built their autograd node.
 """
 
 from __future__ import annotations
@@ -35,8 +41,11 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import inspect
 import os
+import re
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,6 +57,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 import torch.utils._pytree  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+from triton.runtime.jit import KernelInterface  # noqa: E402
 
 from moepp_kernels_work import FULL  # noqa: E402
 from roofline import ROOFLINE  # noqa: E402
@@ -57,10 +67,12 @@ from zrl.modeling.kernels import gemm_count  # noqa: E402
 SHAPES = {"cca": dict(hq=FULL.Hq, hk=FULL.Hk, d=FULL.d, k0=FULL.k0, k1=FULL.k1, rotary=FULL.rotary),
           "experts": dict(d=FULL.D, f=FULL.F, e=FULL.E),
           "cca_proj": dict(hidden_size=FULL.D, num_attention_heads=FULL.Hq, num_key_value_heads=FULL.Hk,
-                           head_dim=FULL.d)}
+                           head_dim=FULL.d),
+          "layer": {}}  # the layer: overrides of FULL.config()
 PATHS = {"cca": ("reference", "library", "triton", "triton fp32 weights"),
          "experts": ("torch glue", "fused glue", "transformers"),
-         "cca_proj": ("four GEMMs", "one GEMM")}
+         "cca_proj": ("four GEMMs", "one GEMM"),
+         "layer": ("auto", "candidates")}
 aten = torch.ops.aten
 NO_TRAFFIC = {aten.detach, aten._unsafe_view, aten.empty_like, aten.new_empty, aten.empty, aten.empty_strided,
               aten.new_empty_strided, aten.lift_fresh}  # views in all but name, and allocations
@@ -77,13 +89,16 @@ class Traffic(TorchDispatchMode):
     """Per phase ("fwd" / "bwd", set by the caller): launches, bytes, the launches' names, and the bytes of
     the launches that are not GEMMs (the glue around them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sites: bool = False) -> None:
         super().__init__()
         self.phase = "fwd"
         self.launches: collections.Counter[str] = collections.Counter()
         self.bytes: collections.Counter[str] = collections.Counter()
         self.glue_bytes: collections.Counter[str] = collections.Counter()
         self.names: dict[str, list[str]] = collections.defaultdict(list)
+        # with `sites`: (phase, site) -> [launches, bytes], the site from `_site` (backward: run the forward
+        # under torch.autograd.set_detect_anomaly(True, check_nan=False), which records where each node was built)
+        self.sites: dict[tuple[str, str], list[int]] | None = collections.defaultdict(lambda: [0, 0]) if sites else None
 
     def add(self, name: str, tensors: list) -> None:
         moved = sum(_bytes(t) for t in tensors if isinstance(t, torch.Tensor))
@@ -91,6 +106,10 @@ class Traffic(TorchDispatchMode):
         self.bytes[self.phase] += moved
         self.glue_bytes[self.phase] += 0 if name in GEMMS else moved
         self.names[self.phase].append(name)
+        if self.sites is not None:
+            site = self.sites[self.phase, _site(self.phase)]
+            site[0] += 1
+            site[1] += moved
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -99,6 +118,29 @@ class Traffic(TorchDispatchMode):
             moved = out if packet in WRITE_ONLY else (args, kwargs, out)
             self.add(packet.__name__, torch.utils._pytree.tree_leaves(moved))
         return out
+
+
+def _zrl_site(frames: list[tuple[str, str]]) -> str:
+    """'zrl/<path>.py:<function>' for a stack of (file, function), outermost first: of the innermost file of the zrl
+    package on it, the outermost function in that file's innermost run of frames (the op's entry point, not its
+    autograd Function's forward or the helper that launches); "-" when no frame is in zrl."""
+    inside = [(Path(f), name) for f, name in frames if Path(f).is_relative_to(ROOT / "zrl")]
+    if not inside:
+        return "-"
+    i = len(inside) - 1
+    while i > 0 and inside[i - 1][0] == inside[-1][0]:
+        i -= 1
+    return f"{inside[i][0].relative_to(ROOT).as_posix()}:{inside[i][1]}"
+
+
+def _site(phase: str) -> str:
+    """Where the launch being counted comes from (`_zrl_site`): forward, of the stack; backward, of the forward's
+    stack where the autograd node being run was built (anomaly mode records it)."""
+    if phase == "fwd":
+        return _zrl_site([(f.filename, f.name) for f in traceback.extract_stack()])
+    node = torch._C._current_autograd_node()
+    trace = "" if node is None else "".join(node.metadata.get("traceback_", ()))
+    return _zrl_site(re.findall(r'File "(.+)", line \d+, in (\S+)', trace))
 
 
 @contextlib.contextmanager
@@ -140,8 +182,10 @@ class _CountedLaunch:
 
 @contextlib.contextmanager
 def counted_launches(module, traffic: Traffic):
-    """Every Triton kernel of `module` (its `_..._kernel` attributes) counted into `traffic` while the block runs."""
-    names = [n for n in dir(module) if n.startswith("_") and n.endswith("_kernel")]
+    """Every Triton kernel `module` launches (`name[grid](...)` in its source) counted into `traffic` while the
+    block runs. Its device functions, called from inside kernels, stay as they are."""
+    source = inspect.getsource(module)
+    names = [n for n, v in vars(module).items() if isinstance(v, KernelInterface) and re.search(rf"\b{n}\[", source)]
     saved = {n: getattr(module, n) for n in names}
     for n, kernel in saved.items():
         setattr(module, n, _CountedLaunch(n, kernel, traffic))
@@ -233,20 +277,74 @@ def _cca_proj(path: str, tokens: int, shape: dict, gen: torch.Generator):
     return four, leaves
 
 
-BUILDERS = {"cca": _cca, "experts": _experts, "cca_proj": _cca_proj}
+@contextlib.contextmanager
+def as_on_cuda(choices: dict[str, str], fused_glue: bool):
+    """Each kernel op dispatched as `choices` says (op -> backend), whatever the device: the Triton kernels in
+    the interpreter, `torch._grouped_mm` on its CPU kernel; the experts' glue fused or not."""
+    from zrl.modeling import kernels
+    from zrl.modeling.kernels.experts import grouped_mm
+
+    saved = kernels.resolve, grouped_mm.unsupported_reason, grouped_mm.FUSED_GLUE
+    kernels.resolve = lambda op, x: choices[op]
+    grouped_mm.unsupported_reason = lambda *args: None
+    grouped_mm.FUSED_GLUE = fused_glue
+    try:
+        yield
+    finally:
+        kernels.resolve, grouped_mm.unsupported_reason, grouped_mm.FUSED_GLUE = saved
 
 
-def count(op: str, path: str, tokens: int, shape: dict | None = None, seed: int = 0) -> dict:
+def _layer(path: str, tokens: int, shape: dict, gen: torch.Generator):
+    """(run, leaves) of one MoE++ decoder layer with the model's initial values (layer 1: it takes the previous
+    layer's router state) on `tokens` tokens in documents of 1,024, bf16 weights, the fp32 stream."""
+    from moepp_kernels_groups import init_layer
+    from zrl.modeling.kernels import AUTO_ON_CUDA
+    from zrl.modeling.packing import build_layout
+    from zrl.modeling.rope import rope_cos_sin
+    from zrl.moepp.model import DecoderLayer
+
+    config = dataclasses.replace(FULL.config(), **shape)
+    with torch.random.fork_rng():  # the layer's initial values from `gen`, the global generator left as it was
+        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+        layer = DecoderLayer(config, 1)
+        init_layer(layer)
+    layer = layer.to(torch.bfloat16)
+    x = torch.randn(tokens, config.hidden_size, generator=gen).requires_grad_()
+    state = torch.randn(tokens, config.router_hidden_size, generator=gen).requires_grad_()
+    lens = [1024] * (tokens // 1024) + ([tokens % 1024] if tokens % 1024 else [])
+    layout = build_layout(tokens, device=torch.device("cpu"),
+                          cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]))
+    rope = rope_cos_sin(layout.positions, config.rotary_dim, config.rope_theta)
+    choices = {**AUTO_ON_CUDA, "cca": "triton"} if path == "candidates" else dict(AUTO_ON_CUDA)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        with as_on_cuda(choices, fused_glue=path == "candidates"):
+            out, routing = layer(x, state, layout, rope)
+        return out, routing.state
+
+    return run, [x, state, *layer.parameters()]
+
+
+BUILDERS = {"cca": _cca, "experts": _experts, "cca_proj": _cca_proj, "layer": _layer}
+
+
+def count(op: str, path: str, tokens: int, shape: dict | None = None, seed: int = 0, sites: bool = False) -> dict:
     """One forward and backward of `op`'s `path` on `tokens` tokens: launches, bytes, glue bytes and launch
-    names per phase, and the GEMM FLOPs."""
+    names per phase, the GEMM FLOPs and, with `sites`, {(phase, site): [launches, bytes]}."""
     from zrl.modeling.kernels.experts import glue
-    from zrl.moepp.kernels.cca import triton_kernel
+    from zrl.modeling.kernels.residual_norm import triton_kernel as residual_norm
+    from zrl.moepp.kernels.cca import triton_kernel as cca
+    from zrl.moepp.kernels.router import triton_kernel as router
 
     gen = torch.Generator().manual_seed(seed)
-    run, leaves = BUILDERS[op](path, tokens, shape or SHAPES[op], gen)
-    traffic, gemms, bf16_flops = Traffic(), gemm_count.GemmCounter(), [0.0]
-    with (counted_launches(triton_kernel, traffic), counted_launches(glue, traffic),
-          counted_bf16_gemms(traffic, bf16_flops), gemms, traffic):
+    run, leaves = BUILDERS[op](path, tokens, shape if shape is not None else SHAPES[op], gen)
+    traffic, gemms, bf16_flops = Traffic(sites), gemm_count.GemmCounter(), [0.0]
+    with contextlib.ExitStack() as stack:
+        for module in (cca, glue, residual_norm, router):
+            stack.enter_context(counted_launches(module, traffic))
+        for context in (counted_bf16_gemms(traffic, bf16_flops), gemms, traffic,
+                        torch.autograd.set_detect_anomaly(sites, check_nan=False)):
+            stack.enter_context(context)
         out = run()
         outs = out if isinstance(out, tuple) else (out,)
         traffic.phase = "bwd"
@@ -254,7 +352,8 @@ def count(op: str, path: str, tokens: int, shape: dict | None = None, seed: int 
             grads_out = [torch.ones_like(o) for o in outs]
         torch.autograd.grad(outs, leaves, grads_out)
     return dict(launches=dict(traffic.launches), bytes=dict(traffic.bytes), glue_bytes=dict(traffic.glue_bytes),
-                names=dict(traffic.names), gemm_flops=gemms.total_flops, bf16_gemm_flops=bf16_flops[0])
+                names=dict(traffic.names), gemm_flops=gemms.total_flops, bf16_gemm_flops=bf16_flops[0],
+                sites=dict(traffic.sites or {}))
 
 
 def at(tokens: int, small: dict, large: dict, small_tokens: int) -> Callable[[str, str], float]:
@@ -286,23 +385,45 @@ def report(op: str, tokens: int, scale_to: int, counts: dict[str, tuple[dict, di
     return "\n".join(lines)
 
 
+def site_report(tokens: int, scale_to: int, small: dict, large: dict) -> str:
+    """Per site of one path's counts (at `tokens` and twice that): launches and GB at `scale_to`, most first."""
+    def gb(phase: str, site: str) -> float:
+        a, b = (c["sites"].get((phase, site), (0, 0))[1] for c in (small, large))
+        return (a + (b - a) * (scale_to - tokens) / tokens) / 1e9
+
+    sites = {site for _, site in small["sites"]} | {site for _, site in large["sites"]}
+    rows = sorted(sites, key=lambda site: -(gb("fwd", site) + gb("bwd", site)))
+    lines = ["| site | launches fwd / bwd | GB fwd / bwd |", "|---|---|---|"]
+    for site in rows:
+        n = [small["sites"].get((phase, site), (0, 0))[0] for phase in ("fwd", "bwd")]
+        lines.append(f"| `{site}` | {n[0]} / {n[1]} | {gb('fwd', site):.2f} / {gb('bwd', site):.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", nargs="+", choices=tuple(PATHS), default=list(PATHS))
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--scale-to", type=int, default=65536)
+    p.add_argument("--sites", action="store_true", help="the layer's bytes per zrl function that moves them")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     sections = []
     for op in a.ops:
-        counts = {path: (count(op, path, a.tokens), count(op, path, 2 * a.tokens)) for path in PATHS[op]}
-        sections.append(f"## {op}, ZAYA1-8B shape {SHAPES[op]}, at {a.scale_to:,} tokens\n\n"
+        sites = a.sites and op == "layer"
+        counts = {path: tuple(count(op, path, t, sites=sites) for t in (a.tokens, 2 * a.tokens)) for path in PATHS[op]}
+        shape = SHAPES[op] or "(the model's)"
+        sections.append(f"## {op}, ZAYA1-8B shape {shape}, at {a.scale_to:,} tokens\n\n"
                         f"{report(op, a.tokens, a.scale_to, counts)}\n")
+        for path, (small, large) in counts.items() if sites else ():
+            sections.append(f"### {op} {path}: where the bytes are moved, at {a.scale_to:,} tokens\n\n"
+                            f"{site_report(a.tokens, a.scale_to, small, large)}\n")
     ops = " ".join(a.ops)
     text = (f"# Kernel launches and traffic per path ({datetime.date.today()}, counted on CPU)\n\n"
-            f"`python bench/kernel_traffic.py --ops {ops} --tokens {a.tokens} --scale-to {a.scale_to}`; bf16 "
-            f"activations (CCA: q/k; experts: x and the weights; CCA projections: fp32 input, bf16 weights), CCA "
-            f"documents of 1,024 tokens. Glue = the "
+            f"`python bench/kernel_traffic.py --ops {ops} --tokens {a.tokens} --scale-to {a.scale_to}"
+            f"{' --sites' if a.sites else ''}`; bf16 "
+            f"activations (CCA: q/k; experts: x and the weights; CCA projections: fp32 input, bf16 weights; layer: "
+            f"bf16 weights, the fp32 stream), documents of 1,024 tokens. Glue = the "
             f"launches that are not GEMMs. Floor = bytes at the data-sheet bandwidth + GEMM FLOPs, fp32 ones at "
             f"{ROOFLINE['fp32_tflops']:.0f} TFLOP/s (FMA units, data sheet) and bf16 ones at "
             f"{ROOFLINE['gemm_tflops']:.0f} (tensor cores, the measured 8192^3 GEMM), no overlap assumed.\n\n"

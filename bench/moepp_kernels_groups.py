@@ -292,7 +292,7 @@ def _fused_head_loss(ctx: Ctx, hidden: torch.Tensor, weight: torch.Tensor, targe
     return lambda: fused_head_loss(hidden, weight, targets, token_grad, products=products)[0]
 
 
-def _init_layer(layer: torch.nn.Module) -> None:
+def init_layer(layer: torch.nn.Module) -> None:
     """The model's initial values (MoEPPForCausalLM.reset_parameters), without building a whole model."""
     with torch.no_grad():
         for module in layer.modules():
@@ -313,7 +313,7 @@ def layer_groups(ctx: Ctx, tokens: int) -> list[Group]:
 
     s, cfg = ctx.shape, ctx.shape.config()
     layer = DecoderLayer(cfg, 1)
-    _init_layer(layer)
+    init_layer(layer)
     layer = layer.to(ctx.device, ctx.dtype)
     x, state = ctx.leaf(tokens, s.D, dtype=torch.float32), ctx.leaf(tokens, s.R)
     leaves = [x, state, *layer.parameters()]

@@ -19,6 +19,8 @@ _spec.loader.exec_module(bench)
 TINY_CCA = dict(hq=2, hk=1, d=32, k0=3, k1=2, rotary=16)
 TINY_EXPERTS = dict(d=32, f=48, e=3)
 TINY_PROJ = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+TINY_LAYER = dict(hidden_size=64, moe_intermediate_size=64, num_experts=4, router_hidden_size=32,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
 def test_counter_by_hand():
@@ -85,3 +87,24 @@ def test_cca_projections_as_one_gemm_launch_and_move_less_than_four():
     for phase in ("fwd", "bwd"):
         assert one["bytes"][phase] < four["bytes"][phase] / 2
 
+
+
+@pytest.mark.skipif(not grouped_mm.available(), reason=f"torch {torch.__version__} has no torch._grouped_mm")
+def test_layer_paths_and_where_their_bytes_go():
+    auto, candidates = (bench.count("layer", path, 64, TINY_LAYER, sites=True) for path in bench.PATHS["layer"])
+    for counted in (auto, candidates):
+        for phase in ("fwd", "bwd"):
+            # every launch is placed at a zrl function, and the sites add up to the totals
+            sites = {site: v for (p, site), v in counted["sites"].items() if p == phase}
+            assert "-" not in sites
+            assert sum(n for n, _ in sites.values()) == counted["launches"][phase]
+            assert sum(b for _, b in sites.values()) == counted["bytes"][phase]
+        # the input norm writes bf16, as the q, k, v projections take it: nothing casts it there
+        assert counted["sites"][("fwd", "zrl/modeling/blocks.py:linears")][0] == 2  # the weights' cat, the GEMM
+    # auto's CCA reference and PyTorch glue against the Triton CCA and the fused glue
+    assert {"zrl/moepp/kernels/cca/reference.py:cca_precondition", "zrl/modeling/rope.py:apply_partial_rope"} <= {
+        site for _, site in auto["sites"]}
+    assert "zrl/modeling/kernels/experts/glue.py:permute" in {site for _, site in candidates["sites"]}
+    for phase in ("fwd", "bwd"):
+        assert candidates["launches"][phase] < auto["launches"][phase] / 1.5
+        assert candidates["bytes"][phase] < auto["bytes"][phase]

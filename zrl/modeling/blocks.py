@@ -27,8 +27,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """fp32 (RMSNORM), or rounded to `out_dtype` for a consumer that would cast it so (see `rms_norm`)."""
+        return rms_norm(x, self.weight, self.eps, out_dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -58,8 +59,8 @@ def linears(x: torch.Tensor, layers: Sequence[nn.Linear]) -> list[torch.Tensor]:
 class PreNormDecoderLayer(nn.Module):
     """The forward pass of the decoder layers laid out as Llama's: x + attn(norm(x)), then x + mlp(norm(x)),
     the residual stream in fp32. A family's layer builds, in its own order (the parameters' order is the
-    checkpoint's and the optimizer's), `input_layernorm`, `self_attn(x, layout, rope)`,
-    `post_attention_layernorm` and `mlp`: a dense MLP(x), or where `is_moe` a MoE block (x, replay) ->
+    checkpoint's and the optimizer's), `input_layernorm`, `self_attn(x, layout, rope)` (x in its `q_proj`'s
+    dtype), `post_attention_layernorm` and `mlp`: a dense MLP(x), or where `is_moe` a MoE block (x, replay) ->
     (fp32 output, routing)."""
 
     is_moe: bool
@@ -67,7 +68,9 @@ class PreNormDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, layout, rope, replay: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, object]:
         """x [T, D] fp32 -> x [T, D] fp32 and this layer's routing (None for a dense layer)."""
-        x = x + to_op_dtype(self.self_attn(self.input_layernorm(x), layout, rope), Fp32Op.RESIDUAL)
+        # the norm written in the q, k, v projections' dtype: what they would cast it to (no cast pass, half the bytes)
+        normed = self.input_layernorm(x, self.self_attn.q_proj.weight.dtype)
+        x = x + to_op_dtype(self.self_attn(normed, layout, rope), Fp32Op.RESIDUAL)
         normed = self.post_attention_layernorm(x)
         if not self.is_moe:
             return x + to_op_dtype(self.mlp(normed), Fp32Op.RESIDUAL), None

@@ -111,6 +111,11 @@ class CCAttention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                 bias=config.attention_bias)
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype the projections take x in (they cast it to this)."""
+        return self.qkv_proj.q_proj.weight.dtype
+
     def forward(self, x: torch.Tensor, layout: PackedLayout, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [T, D] (normed) -> [T, D] in the compute dtype."""
         proj = self.qkv_proj

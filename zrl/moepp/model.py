@@ -71,7 +71,8 @@ class DecoderLayer(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor], replay: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, RouterOutput]:
         """x [T, D] fp32 -> x [T, D] fp32 and this layer's routing (its `state` feeds the next router)."""
-        h = self.self_attn(self.input_layernorm(x), layout, rope)
+        # the norm written in the projections' dtype: what they would cast it to (no cast pass, half the bytes)
+        h = self.self_attn(self.input_layernorm(x, self.self_attn.input_dtype), layout, rope)
         # residual scaling + post_attention_layernorm fused (one pass over [T, D]; kernels/residual_norm)
         x, normed = self.post_attention_residual_scale.add_and_norm(h, x, self.post_attention_layernorm)
         h, routing = self.mlp(normed, router_state, replay)

@@ -98,7 +98,8 @@ def drive_residual_norm(dtype: torch.dtype, t: int = TOKENS, d: int = ZAYA1["D"]
                         modes: tuple[str, ...] = ("add_norm", "add", "norm"), single_outputs: bool = False,
                         **blocks) -> None:
     """Forward + backward of `modes`: "add_norm" (scaling + norm), "add" (scaling alone), "norm"
-    (rms_norm), the residual in fp32 as in the model; with `single_outputs` also add_norm's backward
+    (rms_norm of the fp32 stream, as the model's norms: its output fp32, as the final norm's, and bf16, as the
+    input norm's), the residual in fp32 as in the model; with `single_outputs` also add_norm's backward
     of x alone and of normed alone."""
     from zrl.modeling.kernels.residual_norm.triton_kernel import rms_norm, scaled_residual_add_rmsnorm
 
@@ -117,14 +118,15 @@ def drive_residual_norm(dtype: torch.dtype, t: int = TOKENS, d: int = ZAYA1["D"]
         x, _ = scaled_residual_add_rmsnorm(branch, residual, *params[:4], None, 0.0, **blocks)
         _backward((x,), leaves[:6])
     if "norm" in modes:
-        _backward((rms_norm(branch, params[4], 1e-6, **blocks),), [branch, params[4]])
+        for out_dtype in (None, bf16):
+            _backward((rms_norm(residual, params[4], 1e-6, out_dtype, **blocks),), [residual, params[4]])
 
 
-def drive_rms_norm(dtype: torch.dtype, t: int, d: int, weight_dtype=fp32) -> None:
+def drive_rms_norm(dtype: torch.dtype, t: int, d: int, weight_dtype=fp32, out_dtype=None) -> None:
     from zrl.modeling.kernels.residual_norm.triton_kernel import rms_norm
 
     x, w = _meta(t, d, dtype=dtype, grad=True), _meta(d, dtype=weight_dtype, grad=True)
-    _backward((rms_norm(x, w, 1e-5),), [x, w])
+    _backward((rms_norm(x, w, 1e-5, out_dtype),), [x, w])
 
 
 def drive_cca(dtype: torch.dtype, t: int = TOKENS, hq: int = ZAYA1["HQ"], hk: int = ZAYA1["HK"],
@@ -294,6 +296,7 @@ def _residual_norm_cases() -> list[tuple[str, Callable[[], None]]]:
     ]
     cases += [(f"test_rms_norm {t}x{d} {str(dt)[6:]}", functools.partial(drive_rms_norm, dt, t, d))
               for t, d, dt in [(1, 16, fp32), (37, 100, fp32), (10, 48, fp32), (9, 64, fp16)]]
+    cases.append(("test_rms_norm_bf16_output", functools.partial(drive_rms_norm, fp32, 37, 100, out_dtype=bf16)))
     return cases
 
 

@@ -55,12 +55,14 @@ def scaled_residual_add_rmsnorm(
                                                  norm_weight, eps)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2, -1) + eps) * weight in fp32. x: [..., C] any float dtype, weight [C] -> fp32."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x^2, -1) + eps) * weight in fp32. x: [..., C] any float dtype, weight [C] -> fp32, or
+    `out_dtype`: the fp32 result rounded to it (the Triton kernel writes bf16 directly, for a consumer that
+    computes in bf16: the same values as its own cast, half the bytes written, no cast pass)."""
     if x.dim() == 0:
         raise ValueError("rms_norm needs a [..., C] tensor, got a scalar")
     _check_vector("weight", weight, x.shape[-1])
     if use_triton(x):
         from zrl.modeling.kernels.residual_norm.triton_kernel import rms_norm as fused
-        return fused(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
+        return fused(x, weight, eps, out_dtype)
+    return reference.rms_norm(x, weight, eps, out_dtype)

@@ -26,11 +26,13 @@ def residual_scaling(branch: torch.Tensor, residual: torch.Tensor, hs_scale: tor
     return scaled_branch + (f32(residual) + f32(res_bias)) * f32(res_scale)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2, -1) + eps) * weight, statistics and product in fp32. [..., C] -> fp32."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x^2, -1) + eps) * weight, statistics and product in fp32. [..., C] -> fp32, then cast to
+    `out_dtype` if given."""
     x = to_op_dtype(x, Fp32Op.RMSNORM)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return x * to_op_dtype(weight, Fp32Op.RMSNORM)
+    y = x * to_op_dtype(weight, Fp32Op.RMSNORM)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def scaled_residual_add_rmsnorm(

@@ -127,6 +127,26 @@ def test_rms_norm_parity(device, triton_backend, shape, dtype):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_rms_norm_bf16_output_is_the_fp32_output_rounded(device, backend):
+    """out_dtype=bf16: the fp32 result rounded to bf16 (the kernel rounds on the bits, nearest even), and the
+    gradients of a bf16 upstream gradient bitwise those of the fp32 output under that gradient."""
+    gen = torch.Generator().manual_seed(8)
+    x = (3 * torch.randn(37, 100, generator=gen)).to(device)
+    weight = (1 + 0.3 * torch.randn(100, generator=gen)).to(device)
+    grad = torch.randn(37, 100, generator=gen).to(device, torch.bfloat16)
+    runs = []
+    for out_dtype in (None, torch.bfloat16):
+        xl, wl = _leaves([x, weight])
+        with use_backend(backend):
+            y = rms_norm(xl, wl, 1e-5, out_dtype)
+        y.backward(grad if out_dtype else grad.float())
+        runs.append((y.detach(), xl.grad, wl.grad))
+    (y32, gx32, gw32), (y16, gx16, gw16) = runs
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, y32.to(torch.bfloat16))
+    assert torch.equal(gx16, gx32) and torch.equal(gw16, gw32)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("eps", [1e-6, 1e-2])
 def test_all_zero_row_hand_computed(device, backend, eps):
     """A row with x = 0: rstd = 1/sqrt(eps), normed = 0 and d normed / dx = w / sqrt(eps) (n = 0 kills

@@ -5,6 +5,9 @@ Forward (`_forward_kernel`), one program per block of BLOCK_T rows, each row who
   x      = (b + hs_bias) * hs_scale + (r + res_bias) * res_scale       fp32, stored     [T, D]
   rstd   = 1 / sqrt(sum(x^2) / D + eps)                                fp32, saved      [T]
   normed = x * rstd * norm_weight                                      fp32, stored     [T, D]
+normed is stored in fp32 or, with `out_dtype=torch.bfloat16`, rounded to bf16 in the kernel (nearest even, on
+the fp32 bits, as `Tensor.to` rounds: exact in Triton's interpreter too) for a consumer that would cast it
+so: a GEMM in bf16. Its gradient then arrives in bf16 and is read as such.
 The same kernel runs the two other modes with constexpr switches: scaling alone (no norm weight:
 no statistics, nothing saved) and RMSNorm alone (`rms_norm`: x is the input itself, not stored).
 
@@ -40,6 +43,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from zrl.modeling.kernels.bf16_split_triton import as_int16, bf16_bits
+
 # Elements of one [BLOCK_T, BLOCK_D] tile (GPU defaults; tests pass small block_t). The backward
 # holds about twice as many live tiles per row (b, r, x, g_x, g_normed, n), hence the smaller tile.
 _FORWARD_TILE = 4096
@@ -57,7 +62,7 @@ PIPELINED_STAGES = 3
 
 @triton.jit(do_not_specialize=["T"])
 def _forward_kernel(B, R, HS, HB, RS, RB, W, X, Y, RSTD, T, D, eps,
-                    HAS_SCALING: tl.constexpr, HAS_NORM: tl.constexpr,
+                    HAS_SCALING: tl.constexpr, HAS_NORM: tl.constexpr, Y_BF16: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
@@ -79,7 +84,11 @@ def _forward_kernel(B, R, HS, HB, RS, RB, W, X, Y, RSTD, T, D, eps,
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [BLOCK_T]
         tl.store(RSTD + rows, rstd, mask=row_ok)
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(Y + offsets, x * rstd[:, None] * w[None, :], mask=mask)
+        y = x * rstd[:, None] * w[None, :]
+        if Y_BF16:  # Y: the bf16 output viewed as int16
+            tl.store(Y + offsets, as_int16(bf16_bits(y)[0]), mask=mask)
+        else:
+            tl.store(Y + offsets, y, mask=mask)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -169,7 +178,7 @@ class _ResidualNorm(torch.autograd.Function):
     """Modes: scaling + norm (outputs x, normed), scaling alone (x), norm alone (normed)."""
 
     @staticmethod
-    def forward(ctx, branch, residual, hs, hb, rs, rb, weight, eps, block_t, num_partials, stages):
+    def forward(ctx, branch, residual, hs, hb, rs, rb, weight, eps, block_t, num_partials, stages, out_dtype):
         scaling, norm = residual is not None, weight is not None
         dim = branch.shape[-1]
         b = branch.reshape(-1, dim).contiguous()  # [T, D]
@@ -177,13 +186,15 @@ class _ResidualNorm(torch.autograd.Function):
         r = residual.reshape(-1, dim).contiguous() if scaling else None
         vectors = [v.contiguous() if v is not None else None for v in (hs, hb, rs, rb, weight)]
         x = torch.empty(rows, dim, device=b.device, dtype=torch.float32) if scaling else None
-        y = torch.empty(rows, dim, device=b.device, dtype=torch.float32) if norm else None
+        y_bf16 = out_dtype == torch.bfloat16
+        y = torch.empty(rows, dim, device=b.device, dtype=torch.bfloat16 if y_bf16 else torch.float32) if norm else None
         rstd = torch.empty(rows, device=b.device, dtype=torch.float32) if norm else None
         block_d = triton.next_power_of_2(dim)
         fwd_block_t = _block_t(block_t, _FORWARD_TILE, block_d, rows)
         if rows:
             _forward_kernel[(triton.cdiv(rows, fwd_block_t),)](
-                b, r, *vectors, x, y, rstd, rows, dim, eps, HAS_SCALING=scaling, HAS_NORM=norm,
+                b, r, *vectors, x, y.view(torch.int16) if y_bf16 else y, rstd, rows, dim, eps,
+                HAS_SCALING=scaling, HAS_NORM=norm, Y_BF16=y_bf16,
                 BLOCK_T=fwd_block_t, BLOCK_D=block_d, num_warps=_num_warps(fwd_block_t * block_d))
         ctx.save_for_backward(b, r, *vectors, rstd)
         ctx.shape, ctx.branch_dtype = branch.shape, branch.dtype
@@ -201,7 +212,7 @@ class _ResidualNorm(torch.autograd.Function):
         scaling, norm = r is not None, weight is not None
         g_x = grads[0] if scaling else None
         g_y = grads[-1] if norm else None
-        none = (None,) * 11
+        none = (None,) * 12
         if g_x is None and g_y is None:
             return none
         rows, dim = b.shape
@@ -239,7 +250,7 @@ class _ResidualNorm(torch.autograd.Function):
 
         return (grad_b.view(ctx.shape), None if grad_r is None else grad_r.view(ctx.shape),
                 param_grad(0, hs), param_grad(1, hb), param_grad(2, rs), param_grad(3, rb),
-                param_grad(4, weight), None, None, None, None)
+                param_grad(4, weight), None, None, None, None, None)
 
 
 def scaled_residual_add_rmsnorm(
@@ -253,15 +264,17 @@ def scaled_residual_add_rmsnorm(
     the backward keeps in flight (default BACKWARD_STAGES)."""
     _check_tuning(num_partials, stages)
     out = _ResidualNorm.apply(branch, residual, hs_scale, hs_bias, res_scale, res_bias, norm_weight, eps,
-                              block_t, num_partials, stages)
+                              block_t, num_partials, stages, None)
     return (out[0], out[1]) if norm_weight is not None else (out, None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, block_t: int | None = None,
-             num_partials: int | None = None, stages: int | None = None) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight in fp32, [..., C] -> fp32 (the package's `rms_norm`)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None, *,
+             block_t: int | None = None, num_partials: int | None = None, stages: int | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight in fp32, [..., C] -> fp32, or bf16 where `out_dtype` says so (the
+    package's `rms_norm`; another out_dtype is a cast of the fp32 result)."""
     _check_tuning(num_partials, stages)
-    return _ResidualNorm.apply(x, None, None, None, None, None, weight, eps, block_t, num_partials, stages)
+    y = _ResidualNorm.apply(x, None, None, None, None, None, weight, eps, block_t, num_partials, stages, out_dtype)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def _check_tuning(num_partials: int | None, stages: int | None) -> None:
