@@ -53,7 +53,7 @@ def summarise(parts: list[PartResult]) -> dict:
     """Everything the report shows, from the parts' rows: env, peaks, trainer runs and their projection,
     the fit search, kernel rows, tests, errors."""
     out = dict(env={}, gemm=None, datasheet=None, kernels=[], kernel_profiles=[], dense={}, trainer={}, fit=None,
-               projection=None, gpu_tests=None, errors=[], notes=[])
+               projection=None, variant_projections={}, gpu_tests=None, errors=[], notes=[])
     for part in parts:
         label = f"{part.name} {part.arg}".strip()
         for full_row in part.rows:
@@ -90,6 +90,10 @@ def summarise(parts: list[PartResult]) -> dict:
     projected = project(base[:2], PROJECTED_LAYERS, RECIPE_MICROBATCHES) if len(base) >= 2 else None
     if projected is not None:
         out["projection"] = projected | mfus(projected["flops"] / projected["step_s"], out)
+        for name, run in out["trainer"].items():  # the same projection with the layers of a run's kernel choices
+            variant = project_with(out["projection"], run.get("summary"))
+            if variant is not None:
+                out["variant_projections"][name] = variant | mfus(variant["flops"] / variant["step_s"], out)
     elif len(base) >= 2:
         a, b = base[:2]
         out["notes"].append(f"projection: not made; the {b['layers']}-layer run was not slower than the "
@@ -165,6 +169,22 @@ def project(runs: list[dict], layers: int, microbatches: int) -> dict | None:
                 optimizer_head_s=optimizer_head, optimizer_layer_s=optimizer_layer)
 
 
+def project_with(p: dict, run: dict | None) -> dict | None:
+    """The projected step `p` with its layers run as `run` runs them: a full-checkpointing run with auto's kernel
+    choices overridden (the candidates), at one layer count. Its layer's compute per token is its compute per
+    token less the head's, over its layers; the head, the FLOPs and the optimizer stay `p`'s (the overrides are
+    the layers' kernels). None for any other run, or where the run's layers come out free (noise)."""
+    if not run or not run["overrides"] or run["checkpointing"] != "full" or run["fit"]:
+        return None
+    layer = (run["compute_s_per_token"] - p["compute_head_s_per_token"]) / run["layers"]
+    if layer <= 0:
+        return None
+    step_s = (p["tokens"] * (p["compute_head_s_per_token"] + p["layers"] * layer) + p["optimizer_head_s"]
+              + p["layers"] * p["optimizer_layer_s"])
+    return p | dict(step_s=step_s, tflops=p["flops"] / step_s / 1e12, compute_layer_s_per_token=layer,
+                    overrides=run["overrides"], from_run=run["layers"])
+
+
 def kernel_row(s: dict, tokens: int, group: str, impl: str, mode: str) -> dict | None:
     key = (tokens, group, impl, mode)
     return next((r for r in s["kernels"] if (r["tokens"], r["group"], r["impl"], r["mode"]) == key), None)
@@ -203,13 +223,17 @@ def goals(s: dict, kernel_tokens: tuple[int, int]) -> list[tuple[str, str, str, 
             mfu_goal_row(s, f"MFU at {PROJECTED_LAYERS} layers, projected"
                          + (f" from {p['from_layers'][0]} and {p['from_layers'][1]} ({p['microbatches']} microbatches "
                             "per step, the recipe's)" if p else ""), p, MFU_GOAL)]
-    for run in s["trainer"].values():  # the same step with auto's choices overridden: the candidates' worth
+    for name, run in s["trainer"].items():  # the same step with auto's choices overridden: the candidates' worth
         c = run.get("summary")
         if c and c["overrides"] and first and c["layers"] == first["layers"]:
-            choices = ", ".join(f"{op} {choice}" for op, choice in c["overrides"].items())
-            rows.append(mfu_goal_row(s, f"MFU at {c['layers']} layers, measured, with {choices} (step "
+            rows.append(mfu_goal_row(s, f"MFU at {c['layers']} layers, measured, with {_choices(c)} (step "
                                      f"{c['step_s']:.3f} s against auto's {first['step_s']:.3f} s)", c,
                                      MFU_GOAL_MEASURED))
+        v = s["variant_projections"].get(name)
+        if v:
+            rows.append(mfu_goal_row(s, f"MFU at {PROJECTED_LAYERS} layers, projected with {_choices(v)} (their layer "
+                                     f"from the {v['from_run']}-layer run, the head from {p['from_layers'][0]} and "
+                                     f"{p['from_layers'][1]})", v, MFU_GOAL))
     head = AUTO_ON_CUDA["lm_logprobs"]  # what the trainer runs; its fp32-level accuracy costs ~4x a bf16 head
     for mode in ("fwd", "fwd+bwd"):
         r = ratio("lm_logprobs", "transformers", head, mode, small)
@@ -252,6 +276,10 @@ def goals(s: dict, kernel_tokens: tuple[int, int]) -> list[tuple[str, str, str, 
     else:
         rows.append(("`gpu` tests", (t or {}).get("error", "not run"), "all pass", "-"))
     return rows
+
+
+def _choices(run: dict) -> str:
+    return ", ".join(f"{op} {choice}" for op, choice in run["overrides"].items())
 
 
 def _count(n: float) -> str:
@@ -341,7 +369,11 @@ def render_projection(s: dict) -> list[str]:
         f"**Projected {PROJECTED_LAYERS}-layer step** of {p['microbatches']} microbatches (the recipe's; "
         f"{p['tokens']:,.0f} tokens): {p['step_s']:.2f} s, {p['tokens'] / p['step_s']:,.0f} tokens/s, "
         f"{p['tflops']:.1f} TFLOP/s = **MFU {_pct(p['mfu_datasheet'])} of the data sheet** "
-        f"({_pct(p['mfu_gemm'])} of the measured GEMM)."]
+        f"({_pct(p['mfu_gemm'])} of the measured GEMM)."] + [
+        f"\nWith {_choices(v)} (the {v['from_run']}-layer run's layers, this head): one layer "
+        f"{v['compute_layer_s_per_token'] * mb * 1e3:.1f} ms, the step {v['step_s']:.2f} s = **MFU "
+        f"{_pct(v['mfu_datasheet'])} of the data sheet** ({_pct(v['mfu_gemm'])} of the measured GEMM)."
+        for v in s["variant_projections"].values()]
 
 
 def render_fit(s: dict) -> list[str]:

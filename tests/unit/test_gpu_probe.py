@@ -336,6 +336,15 @@ def test_summarise_and_goals_from_rows():
         "(step 1.600 s against auto's 2.000 s)")
     assert rows["MFU at 4 layers, measured, with cca triton, fused_glue on"][1].startswith(
         f"{100 * 4e15 / 1.6 / 989e12:.1f}% of H200 SXM")
+    # ... and projected to 40 layers: its layer (1.4e-3 compute per token less the head's 0.8e-3, over 4 layers)
+    # with the base's head, FLOPs and optimizer
+    v = s["variant_projections"]["4 full+cca=triton+fused_glue"]
+    assert v["compute_layer_s_per_token"] == pytest.approx(0.15e-3) and v["flops"] == p["flops"]
+    assert v["step_s"] == pytest.approx(10_000 * (0.8e-3 + 40 * 0.15e-3) + 40 * 0.05)
+    assert list(s["variant_projections"]) == ["4 full+cca=triton+fused_glue"]  # not the selective run
+    row = rows["MFU at 40 layers, projected with cca triton, fused_glue on"]
+    assert row[0].endswith("(their layer from the 4-layer run, the head from 4 and 8)")
+    assert row[1].startswith(f"{100 * p['flops'] / v['step_s'] / 989e12:.1f}% of H200 SXM")
     assert rows["experts fwd+bwd at 64: grouped_mm ms / with the fused glue ms"][1:] == ("1.25x", "> 1x", "met")
     assert rows["residual_norm fwd+bwd at 64: triton ms / triton pipelined ms"][1:] == ("0.75x", "> 1x", "NOT met")
     # the LM head that CUDA runs ("library"), against transformers' bf16 head
@@ -353,6 +362,8 @@ def test_summarise_and_goals_from_rows():
                                        kernel_tokens=(16, 64)))
     assert "Data-sheet dense bf16 peak of the H200 SXM: **989 TFLOP/s**" in text and report.FLOP_CONVENTION in text
     assert "**Projected 40-layer step** of 20 microbatches" in text and "**9 layers fit**" in text
+    assert (f"With cca triton, fused_glue on (the 4-layer run's layers, this head): one layer 75.0 ms, the step "
+            f"{v['step_s']:.2f} s = **MFU" in text)
     assert ("## Kernel profiles at T = 16" in text and "**experts grouped_mm fwd+bwd**: 1.500 ms in the table; self "
             "CUDA time summed over all ops 1.400 ms." in text and "| `void cutlass/kernel` | 2 | 0.900 | 0.013 |" in text)
     assert "| 4 selective | 2 x 500 |" in text and "| 9 | yes | 3.0 | 1.800 |" in text
